@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Everything they need is set up here.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: demo test lint bench clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: on the dev machines this takes the local CPU wheel.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python launch/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check slimrl tests tools bench launch examples
+	$(BIN)/python -m pytest tests -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check slimrl tests tools bench launch examples
+	$(BIN)/ruff format --check slimrl tests tools bench launch examples
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf runs .pytest_cache

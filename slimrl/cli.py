@@ -1,0 +1,82 @@
+"""`slimrl`: one console script, one subcommand per job. Heavy imports happen inside handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from slimrl.errors import SlimError
+
+Handler = Callable[[argparse.Namespace], int | None]
+
+
+def _train(args: argparse.Namespace) -> None:
+    from slimrl.config import load_config
+    from slimrl.orchestration.entry import run_training
+
+    run_training(load_config(args.config, args.overrides))
+
+
+def _make_tiny(args: argparse.Namespace) -> None:
+    from slimrl.data.tiny_models import make_tiny
+
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if not _:
+            raise SlimError(f"--set {item}: expected key=value")
+        overrides[key] = json.loads(value) if value[:1] in "-0123456789[{tfn" else value
+    out = make_tiny(args.arch, args.out, seed=args.seed, overrides=overrides, force=args.force)
+    print(f"wrote {args.arch} checkpoint to {out}")
+
+
+def _make_data(args: argparse.Namespace) -> None:
+    from slimrl.data.toy_tasks import make_data
+
+    out = make_data(args.task, args.out, num_samples=args.num, seed=args.seed)
+    print(f"wrote {args.num} {args.task} samples to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slimrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a policy (SFT or RL) from a YAML config")
+    train.add_argument("config", help="YAML config, e.g. configs/tiny_moe_cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
+    train.set_defaults(handler=_train)
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
+    tiny.add_argument("--arch", required=True, choices=["qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3"])
+    tiny.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--set", action="append", default=[], help="config.json override key=value")
+    tiny.add_argument("--force", action="store_true", help="replace an existing output directory")
+    tiny.set_defaults(handler=_make_tiny)
+
+    data = sub.add_parser("make-data", help="write a toy prompt data set (JSONL: prompt, label, metadata)")
+    data.add_argument("--task", required=True)
+    data.add_argument("--out", required=True)
+    data.add_argument("--num", type=int, default=1000)
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(handler=_make_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except SlimError as exc:
+        print(f"slimrl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("slimrl: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Checks that span sections. They only check; derived values come from `finalize` helpers
+(`resolve_device`, `train_world_size`, `ParallelLayout.resolve`), never from mutating the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slimrl.config.schema import SlimConfig
+from slimrl.errors import ConfigError
+
+CHOICES: dict[str, tuple[object, ...]] = {
+    "cluster.device": ("auto", "cuda", "cpu"),
+    "model.dtype": ("auto", "bf16", "fp32"),
+    "parallel.fp8": (None, "delayed", "tensorwise", "blockwise", "mxfp8"),
+    "parallel.moe_token_dispatcher": ("alltoall", "allgather", "flex"),
+    "parallel.recompute": (None, "selective", "full"),
+    "rollout.engine": ("embedded", "sglang"),
+    "rollout.reward_type": ("toy", "math", "remote", "none"),
+    "rollout.weight_sync": ("auto", "tensor", "distributed", "disk"),
+    "rollout.router.policy": ("round_robin", "cache_aware", "power_of_two", "random"),
+    "algorithm.loss": ("policy", "sft"),
+    "algorithm.advantage_estimator": ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
+    "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
+    "algorithm.mis_level": ("token", "sequence"),
+    "train.optimizer.name": ("adam", "sgd"),
+    "train.lr_schedule.decay_style": ("constant", "linear", "cosine"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+POSITIVE: tuple[str, ...] = (
+    "cluster.num_nodes",
+    "rollout.num_engines",
+    "rollout.gpus_per_engine",
+    "rollout.rollout_batch_size",
+    "rollout.n_samples_per_prompt",
+    "rollout.max_concurrency",
+    "rollout.sampling.max_new_tokens",
+    "rollout.update_weight_buffer_bytes",
+    "train.num_steps",
+    "train.micro_batch_size",
+    "train.steps_per_rollout",
+    "train.max_seq_len",
+    "train.logprob_chunk_tokens",
+)
+
+
+def _get(config: SlimConfig, dotted: str) -> object:
+    value: object = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def resolve_device(config: SlimConfig) -> str:
+    if config.cluster.device != "auto":
+        return config.cluster.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_world_size(config: SlimConfig) -> int:
+    """Training ranks: every device when colocated, else all but the rollout devices."""
+    total = config.cluster.num_nodes * config.cluster.gpus_per_node
+    return total if config.cluster.colocate else total - config.cluster.rollout_gpus
+
+
+def check_config(config: SlimConfig) -> None:
+    for key, valid in CHOICES.items():
+        value = _get(config, key)
+        if value not in valid:
+            shown = ", ".join("null" if v is None else str(v) for v in valid)
+            raise ConfigError(f"{key}={value}: not one of {shown}")
+    for key in POSITIVE:
+        value = _get(config, key)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value}: must be a positive integer")
+    _check_paths(config)
+    _check_cluster(config)
+    _check_parallel(config)
+    _check_algorithm(config)
+
+
+def _check_paths(config: SlimConfig) -> None:
+    hf = Path(config.model.hf_checkpoint)
+    if not hf.is_dir():
+        raise ConfigError(f"model.hf_checkpoint={hf}: directory not found (make one with `slimrl make-tiny`)")
+    for key in ("data.prompt_data", "model.load", "model.ref_load"):
+        value = _get(config, key)
+        if value is not None and not Path(str(value)).exists():
+            raise ConfigError(f"{key}={value}: file not found")
+    for name, path in config.eval.datasets.items():
+        if not Path(path).exists():
+            raise ConfigError(f"eval.datasets.{name}={path}: file not found")
+
+
+def _check_cluster(config: SlimConfig) -> None:
+    cluster = config.cluster
+    if cluster.gpus_per_node < 1:
+        raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: must be >= 1 (on CPU: process slots)")
+    total = cluster.num_nodes * cluster.gpus_per_node
+    if not cluster.colocate and not 0 < cluster.rollout_gpus < total:
+        raise ConfigError(
+            f"cluster.rollout_gpus={cluster.rollout_gpus}: with colocate=false it must leave devices for "
+            f"both sides (1..{total - 1})"
+        )
+    rollout_devices = total if cluster.colocate else cluster.rollout_gpus
+    needed = config.rollout.num_engines * config.rollout.gpus_per_engine
+    if needed > rollout_devices:
+        raise ConfigError(
+            f"rollout.num_engines={config.rollout.num_engines}: {needed} devices for engines "
+            f"(num_engines * gpus_per_engine) but only {rollout_devices} are available to rollout"
+        )
+
+
+def _check_parallel(config: SlimConfig) -> None:
+    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.trainer.parallel import ParallelLayout
+
+    device = resolve_device(config)
+    if device == "cpu":
+        if config.parallel.cp > 1:
+            raise ConfigError(
+                f"parallel.cp={config.parallel.cp}: context parallelism needs Transformer Engine attention "
+                f"(GPU only); use cp=1 on CPU"
+            )
+        if config.parallel.fp8 is not None:
+            raise ConfigError(
+                f"parallel.fp8={config.parallel.fp8}: FP8 needs Transformer Engine on a GPU; unset it on CPU"
+            )
+        if config.parallel.moe_token_dispatcher == "flex":
+            raise ConfigError("parallel.moe_token_dispatcher=flex: DeepEP needs GPUs; use alltoall on CPU")
+    arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
+    ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+
+
+def _check_algorithm(config: SlimConfig) -> None:
+    algo = config.algorithm
+    if algo.eps_clip <= 0:
+        raise ConfigError(f"algorithm.eps_clip={algo.eps_clip}: must be > 0")
+    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
+        raise ConfigError(f"algorithm.dual_clip_c={algo.dual_clip_c}: must be > 1")
+    if algo.async_staleness > 0 and config.cluster.colocate:
+        raise ConfigError(
+            "algorithm.async_staleness>0: overlapping rollout and training needs separate devices "
+            "(cluster.colocate=false)"
+        )
+    if algo.advantage_estimator in ("grpo", "gspo") and algo.loss == "policy":
+        if config.rollout.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"rollout.n_samples_per_prompt={config.rollout.n_samples_per_prompt}: "
+                f"{algo.advantage_estimator} needs groups of at least 2 samples"
+            )

@@ -1,0 +1,116 @@
+"""Load `CONFIG.yaml key=value ...` onto the schema, turning every mistake into one line.
+
+A YAML file may start with `extends: base.yaml` (path relative to the file) to build on a shared
+base; chains are allowed. Overrides use OmegaConf dotlist syntax (`parallel.tp=2`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from slimrl.config.schema import SlimConfig
+from slimrl.errors import ConfigError
+from slimrl.utils.fs import atomic_write_text
+
+_EXTENDS_KEY = "extends"
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `extends` chain loops back to itself")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    base_name = raw.pop(_EXTENDS_KEY, None)
+    node = OmegaConf.create(raw)
+    if base_name is None:
+        return node
+    base = _read_yaml(path.parent / str(base_name), (*seen, path.resolve()))
+    return OmegaConf.merge(base, node)
+
+
+def _schema_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        keys.append(name)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(_schema_keys(type(default), name + "."))
+    return keys
+
+
+def _unknown_key_message(full_key: str, source: str) -> str:
+    candidates = _schema_keys(SlimConfig)
+    guess = difflib.get_close_matches(full_key, candidates, n=1, cutoff=0.6)
+    if not guess:  # a typo in a leaf name is more likely than in the section
+        leaf = full_key.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
+        guess = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
+    hint = f" (did you mean `{guess[0]}`?)" if guess else ""
+    return f"{source}: unknown key `{full_key}`{hint}"
+
+
+def _merge_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "?"
+    if isinstance(exc, ConfigKeyError):
+        return ConfigError(_unknown_key_message(key, source))
+    message = str(getattr(exc, "msg", exc)).splitlines()[0]
+    return ConfigError(f"{source}: `{key}`: {message}")
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> SlimConfig:
+    """Merge a YAML file and dotlist overrides onto the schema, then run the checks."""
+    schema = OmegaConf.structured(SlimConfig)
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        layers.append((str(path), _read_yaml(Path(path))))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override `{item}` is not of the form key=value")
+        layers.append((f"override `{item}`", OmegaConf.from_dotlist([item])))
+    merged: DictConfig = schema
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as exc:
+            raise _merge_error(exc, source) from None
+    try:
+        config: SlimConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except MissingMandatoryValue as exc:
+        raise ConfigError(f"{path}: `{exc.full_key}` must be set") from None
+    except OmegaConfBaseException as exc:
+        raise _merge_error(exc, str(path)) from None
+
+    from slimrl.config.checks import check_config
+
+    check_config(config)
+    return config
+
+
+def to_yaml(config: SlimConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def save_config(config: SlimConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved config atomically (temp file, then rename)."""
+    return atomic_write_text(Path(path), to_yaml(config))
+
+
+def as_dict(config: SlimConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]

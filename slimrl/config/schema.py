@@ -1,0 +1,350 @@
+"""The typed configuration schema: one dataclass per section, each default in exactly one place.
+
+YAML files under `configs/` and `key=value` overrides are merged onto these classes by
+`slimrl.config.loader`; unknown keys and wrong types are rejected there. Checks that span sections
+(parallel layout against the model, devices against the world size) live in `slimrl.config.checks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Sections are plain, kw-only, slotted dataclasses so OmegaConf can type-check them and a typo
+# in a field name fails at class-definition time rather than at run time.
+_section = dataclass(kw_only=True, slots=True)
+
+
+@_section
+class RunConfig:
+    name: str = "run"
+    """Run name; everything the run writes goes to `<runs_dir>/<name>/`."""
+    runs_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 1234
+    """Seed for data order, initialisation and sampling."""
+
+
+@_section
+class RayConfig:
+    address: str | None = None
+    """Existing Ray cluster to join (`auto` or `host:port`); null starts a local Ray on demand."""
+    num_cpus: int | None = None
+    """Logical CPUs for a local Ray (null: enough for every actor of the run)."""
+
+
+@_section
+class ClusterConfig:
+    num_nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int = 8
+    """Devices per node. On a CPU-only machine each device is one process slot."""
+    colocate: bool = True
+    """True: trainer and rollout engines share every device (offload switches on).
+    False: `rollout_gpus` devices are set aside for the engines."""
+    rollout_gpus: int = 0
+    """Devices reserved for rollout engines when `colocate` is false."""
+    device: str = "auto"
+    """`auto` (cuda if visible, else cpu), `cuda` or `cpu`."""
+
+
+@_section
+class ModelConfig:
+    hf_checkpoint: str = "???"
+    """Hugging Face checkpoint directory: architecture, tokenizer and (unless `load` is set)
+    initial weights."""
+    load: str | None = None
+    """Megatron distributed checkpoint to start from instead of the HF weights."""
+    ref_load: str | None = None
+    """Checkpoint of the reference model for KL (null: the initial policy)."""
+    init_from_hf: bool = True
+    """Load the HF weights at start; false keeps Megatron's random initialisation
+    (useful for tiny tests)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """HF config.json keys to override before the Megatron model is built."""
+    dtype: str = "auto"
+    """Parameter dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16` or `fp32`."""
+
+
+@_section
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); null for none."""
+    cp: int = 1
+    """Context-parallel size (needs Transformer Engine attention, GPU only)."""
+    ep: int = 1
+    """Expert-parallel size."""
+    etp: int | None = None
+    """Expert tensor-parallel size (null: 1)."""
+    dp: int | None = None
+    """Data-parallel size; null derives it as world / (tp*pp*cp)."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism; null turns it on whenever tp > 1."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks."""
+    fp8: str | None = None
+    """Transformer Engine FP8 recipe: `delayed`, `tensorwise`, `blockwise`, `mxfp8`; GPU only."""
+    moe_token_dispatcher: str = "alltoall"
+    """`alltoall` or `allgather` (`flex` with DeepEP on GPU)."""
+    recompute: str | None = None
+    """Activation recompute: null, `selective` or `full`."""
+    pp_layout: list[int] | None = None
+    """Layers per pipeline stage (uneven stages); null splits evenly."""
+
+
+@_section
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 samples from the whole vocabulary."""
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@_section
+class SGLangConfig:
+    mem_fraction_static: float = 0.8
+    """Share of GPU memory SGLang reserves for weights and KV cache."""
+    attention_backend: str | None = None
+    """SGLang attention backend (null: SGLang's default; true_on_policy picks one)."""
+    dp_attention: bool = False
+    """Data-parallel attention inside each engine (DeepSeek-style MoE serving)."""
+    ep_size: int = 1
+    """Expert parallelism inside each engine."""
+    quantization: str | None = None
+    """`fp8` serves FP8 weights (block-quantised at weight sync)."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Passed through to `sglang.launch_server` as `--key value` (e.g. speculative decoding)."""
+    server_timeout_s: float = 600.0
+    """How long a server may take to become healthy."""
+
+
+@_section
+class RouterConfig:
+    enabled: bool = True
+    """Put the engines behind sglang-router; false routes from the client."""
+    policy: str = "round_robin"
+    """sglang-router policy: `round_robin`, `cache_aware`, `power_of_two`, `random`."""
+
+
+@_section
+class RolloutConfig:
+    engine: str = "embedded"
+    """`embedded` (in-repo CPU engine) or `sglang` (real SGLang servers, GPU)."""
+    num_engines: int = 1
+    """Inference servers in the fleet."""
+    gpus_per_engine: int = 1
+    """Devices per server (its TP size)."""
+    rollout_batch_size: int = 8
+    """Prompts per rollout step."""
+    n_samples_per_prompt: int = 4
+    """Responses per prompt (the GRPO group size)."""
+    over_sampling_batch_size: int | None = None
+    """Prompts drawn per refill with dynamic sampling (null: rollout_batch_size)."""
+    max_concurrency: int = 64
+    """In-flight generate requests across the fleet."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters for training rollouts."""
+    partial_rollout: bool = False
+    """Keep aborted unfinished groups (with their partial tokens) for the next rollout."""
+    request_timeout_s: float = 300.0
+    """A request running longer becomes an aborted sample."""
+    reward_type: str = "toy"
+    """Built-in reward: `toy` (exact answer), `math` (boxed / final number)."""
+    custom_generate_function_path: str | None = None
+    """`module.func`: async generate(ctx, sample, sampling_params) -> Sample | list[Sample]."""
+    rollout_function_path: str | None = None
+    """`module.func` replacing the whole rollout loop."""
+    custom_rm_path: str | None = None
+    """`module.func`: async reward of one sample (or a group with `group_rm`)."""
+    group_rm: bool = False
+    """Call `custom_rm_path` once per group instead of per sample."""
+    remote_rm_url: str | None = None
+    """HTTP reward model endpoint (used when reward_type is `remote`)."""
+    dynamic_sampling_filter_path: str | None = None
+    """`module.func(config, group) -> bool` keeping a finished group."""
+    buffer_filter_path: str | None = None
+    """`module.func(config, buffer, n) -> list of groups` drawn from the partial-rollout buffer."""
+    update_weight_buffer_bytes: int = 512 * 1024**2
+    """Bucket size of the streaming weight sync."""
+    weight_sync: str = "auto"
+    """`auto` (tensor when colocated, distributed otherwise), `tensor`, `distributed` or `disk`."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang server options (GPU fleet)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """Router in front of the fleet."""
+    api_key: str | None = None
+    """Protects the engines' control endpoints."""
+    save_samples: bool = True
+    """Write each rollout's samples to `rollout_samples.jsonl` in the run directory."""
+
+
+@_section
+class DataConfig:
+    prompt_data: str | None = None
+    """Training prompts: a JSONL or Parquet file."""
+    input_key: str = "prompt"
+    """Field holding the prompt."""
+    label_key: str = "label"
+    """Field holding the reference answer."""
+    metadata_key: str = "metadata"
+    """Optional field copied into `Sample.metadata`."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded)."""
+    max_prompt_tokens: int | None = None
+    """Drop prompts longer than this (null: keep all)."""
+
+
+@_section
+class AlgorithmConfig:
+    loss: str = "policy"
+    """`policy` (RL policy-gradient loss) or `sft` (cross-entropy on loss-masked tokens)."""
+    advantage_estimator: str = "grpo"
+    """`grpo`, `gspo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `ppo`."""
+    normalize_std: bool = True
+    """Divide GRPO advantages by the group std (false: Dr.GRPO)."""
+    eps_clip: float = 0.2
+    """Lower PPO clip range."""
+    eps_clip_high: float | None = None
+    """Upper clip range (DAPO clip-higher); null uses eps_clip."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant (> 1) for negative advantages; null disables."""
+    loss_reduction: str = "token_mean"
+    """`token_mean` over all tokens of the batch, or `seq_mean_token_mean`."""
+    kl_coef: float = 0.0
+    """Reward-side KL penalty coefficient."""
+    kl_loss_coef: float = 0.0
+    """KL-loss coefficient (added to the loss)."""
+    kl_estimator: str = "low_var_kl"
+    """`k1`, `k2`, `k3` or `low_var_kl`."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    gamma: float = 1.0
+    """Discount for PPO/GAE and REINFORCE++."""
+    lambd: float = 1.0
+    """GAE lambda."""
+    tis: bool = False
+    """Truncated importance sampling on the train/rollout mismatch."""
+    tis_clip_low: float = 0.0
+    tis_clip_high: float = 2.0
+    mis: bool = False
+    """Masked importance sampling: drop tokens whose ratio leaves [mis_low, mis_high]."""
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    mis_level: str = "token"
+    """`token` or `sequence` for masked IS."""
+    use_rollout_logprobs: bool = False
+    """Use rollout logprobs as old logprobs instead of recomputing them."""
+    true_on_policy: bool = False
+    """Make trainer and engine compute identical logprobs (see docs/true_on_policy.md)."""
+    async_staleness: int = 0
+    """0: synchronous. 1: rollout of step k+1 overlaps training on step k (disaggregated)."""
+
+
+@_section
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    cpu_offload: bool = False
+    """Keep optimizer state and step on CPU (Megatron hybrid-device optimizer, GPU only)."""
+
+
+@_section
+class LRScheduleConfig:
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    """`constant`, `linear` or `cosine`."""
+    decay_steps: int | None = None
+    """Steps over which to decay (null: the run's total optimizer steps)."""
+
+
+@_section
+class TrainConfig:
+    num_steps: int = 100
+    """Rollout steps for RL, optimizer steps for SFT."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step (null: the whole rollout batch / SFT: 32)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch when `max_tokens_per_gpu` is null."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per micro-batch per rank (dynamic batching); null uses micro_batch_size."""
+    steps_per_rollout: int = 1
+    """Optimizer steps per rollout batch."""
+    max_seq_len: int = 2048
+    """Longest prompt+response the trainer accepts."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    offload: bool | None = None
+    """Move params/grads/optimizer state to CPU during rollout (null: on when colocated on GPU)."""
+    frozen_params: list[str] = field(default_factory=list)
+    """Glob patterns of Megatron parameter names that are not trained."""
+    logprob_chunk_tokens: int = 4096
+    """Tokens per chunk of the vocabulary-parallel log-softmax (bounds logits memory)."""
+    oom_max_splits: int = 3
+    """Times an out-of-memory micro-batch may be split in two before the step fails."""
+
+
+@_section
+class CheckpointConfig:
+    save_dir: str | None = None
+    """Megatron checkpoint directory (null: `<run dir>/checkpoints`)."""
+    save_interval: int | None = None
+    """Save every N steps (null: only at the end)."""
+    resume: bool = True
+    """Resume from the latest checkpoint in save_dir when there is one."""
+    keep_last: int = 2
+    """Checkpoints to keep."""
+    save_hf: bool = False
+    """Also write an HF checkpoint with each save."""
+
+
+@_section
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory."""
+    log_interval: int = 1
+    """Print a progress line every N steps."""
+    level: str = "INFO"
+
+
+@_section
+class EvalConfig:
+    interval: int | None = None
+    """Evaluate every N rollout steps (null: never)."""
+    datasets: dict[str, str] = field(default_factory=dict)
+    """Name -> JSONL/Parquet prompt file."""
+    n_samples_per_prompt: int = 1
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+
+
+@_section
+class SlimConfig:
+    """The whole run: what `slimrl train CONFIG.yaml key=value ...` resolves to."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -1,0 +1,1 @@
+"""HF <-> Megatron-Core: names, layouts and sharding, for checkpoints and streaming weight sync."""

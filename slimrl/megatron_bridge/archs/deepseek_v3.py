@@ -1,0 +1,16 @@
+"""DeepSeek-V3: MLA attention, first-k dense layers, shared experts, sigmoid router with bias."""
+
+from slimrl.megatron_bridge.archs.base import ArchSpec, MoEKeys, deepseek_moe_layer
+
+SPEC = ArchSpec(
+    model_type="deepseek_v3",
+    hf_architecture="DeepseekV3ForCausalLM",
+    mla=True,
+    moe=MoEKeys(
+        num_experts="n_routed_experts",
+        layer_rule=deepseek_moe_layer,
+        shared_experts="n_shared_experts",
+        router_score_function="sigmoid",
+        router_expert_bias=True,
+    ),
+)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,6 +180,10 @@ def apply() -> None:
     if _APPLIED or not needs_cpu_compat():
         return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Expected on CPU, printed once per rank per layer otherwise.
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`")
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
     _import_megatron_without_compile()

@@ -97,10 +97,31 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
     except OmegaConfBaseException as exc:
         raise _merge_error(exc, str(path)) from None
 
+    _make_paths_absolute(config)
     from slimrl.config.checks import check_config
 
     check_config(config)
     return config
+
+
+_PATH_KEYS = (
+    ("run", "runs_dir"),
+    ("model", "hf_checkpoint"),
+    ("model", "load"),
+    ("model", "ref_load"),
+    ("data", "prompt_data"),
+    ("checkpoint", "save_dir"),
+)
+
+
+def _make_paths_absolute(config: SlimConfig) -> None:
+    """Relative paths mean relative to where `slimrl` was started; actors run elsewhere."""
+    for section, key in _PATH_KEYS:
+        owner = getattr(config, section)
+        value = getattr(owner, key)
+        if value and value != "???":
+            setattr(owner, key, str(Path(value).expanduser().absolute()))
+    config.eval.datasets = {k: str(Path(v).expanduser().absolute()) for k, v in config.eval.datasets.items()}
 
 
 def to_yaml(config: SlimConfig) -> str:

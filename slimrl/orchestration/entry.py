@@ -1,0 +1,54 @@
+"""`slimrl train`: run directory, Ray, the trainer group, then the SFT or RL loop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from slimrl.config.checks import resolve_device, train_world_size
+from slimrl.config.loader import save_config
+from slimrl.config.schema import SlimConfig
+
+logger = logging.getLogger("slimrl")
+
+
+def prepare_run_dir(config: SlimConfig) -> Path:
+    run_dir = Path(config.run.runs_dir) / config.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    return run_dir
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def run_training(config: SlimConfig) -> Path:
+    """Run the whole job and return its run directory."""
+    import ray
+
+    from slimrl.orchestration.placement import TRAIN_SHARE_COLOCATED, create_device_slots, start_ray
+    from slimrl.orchestration.trainer_group import TrainerGroup
+
+    setup_logging(config.logging.level)
+    run_dir = prepare_run_dir(config)
+    device = resolve_device(config)
+    world = train_world_size(config)
+    total_slots = config.cluster.num_nodes * config.cluster.gpus_per_node
+    logger.info("run dir %s; %d training ranks on %s", run_dir, world, device)
+    start_ray(config, device, total_slots)
+    try:
+        slots = create_device_slots(total_slots, use_gpu=device == "cuda")
+        trainers = TrainerGroup(config, slots, world, share=TRAIN_SHARE_COLOCATED)
+        if config.algorithm.loss == "sft":
+            from slimrl.orchestration.sft_loop import run_sft
+
+            run_sft(config, run_dir, trainers)
+        else:
+            from slimrl.errors import ConfigError
+
+            raise ConfigError("algorithm.loss=policy: the RL loop is not available yet; use algorithm.loss=sft")
+    finally:
+        if not config.ray.address:
+            ray.shutdown()
+    return run_dir

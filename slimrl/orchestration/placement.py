@@ -1,0 +1,117 @@
+"""Ray: start or join a cluster, and one placement group whose bundles map ranks to devices.
+
+Bundles are re-sorted by (node IP, device id) so logical rank r always lands on the same physical
+device. On a CPU-only machine every bundle is one CPU slot and "device id" is the slot number.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from slimrl.config.schema import SlimConfig
+
+logger = logging.getLogger(__name__)
+
+# Share of a device each side takes when colocated: both fit in one bundle.
+TRAIN_SHARE_COLOCATED = 0.5
+ROLLOUT_SHARE_COLOCATED = 0.4
+
+
+def worker_env(device: str) -> dict[str, str]:
+    """Environment every actor process starts with."""
+    env = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    if device == "cpu":
+        # Two cores shared by several processes: one intra-op thread each avoids oversubscription.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start_ray(config: SlimConfig, device: str, slots_needed: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": worker_env(device)}
+    if config.ray.address:
+        logger.info("joining Ray cluster at %s", config.ray.address)
+        ray.init(address=config.ray.address, runtime_env=env, log_to_driver=True)
+        return
+    num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, slots_needed) + 2
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+    )
+
+
+@dataclass
+class DeviceSlots:
+    """The placement group and its bundle indices in (node, device) order."""
+
+    placement_group: Any
+    ordered_bundles: list[int]
+    use_gpu: bool
+
+    def strategy(self, slot: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group,
+            placement_group_bundle_index=self.ordered_bundles[slot],
+        )
+
+    def resources(self, share: float) -> dict[str, float]:
+        """Actor resource request for `share` of one slot."""
+        return {"num_gpus": share, "num_cpus": 0} if self.use_gpu else {"num_cpus": share}
+
+
+def _bundle_location() -> tuple[str, int]:
+    import ray
+
+    gpu_ids = ray.get_gpu_ids()
+    return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else 0
+
+
+def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(num_slots)], strategy="PACK")
+    ray.get(group.ready(), timeout=300)
+    probe = ray.remote(_bundle_location)
+    locations = ray.get(
+        [
+            probe.options(
+                num_cpus=0.01,
+                num_gpus=0.01 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(num_slots)
+        ]
+    )
+    order = sorted(range(num_slots), key=lambda i: (locations[i][0], locations[i][1], i))
+    return DeviceSlots(placement_group=group, ordered_bundles=order, use_gpu=use_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()

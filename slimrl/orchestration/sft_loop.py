@@ -1,0 +1,61 @@
+"""Supervised fine-tuning: the same Megatron actors and batching as RL, samples from a data set."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from slimrl.config.schema import SlimConfig
+from slimrl.data.prompts import EpochSampler, load_prompts
+from slimrl.data.sft import sft_sample
+from slimrl.errors import ConfigError
+from slimrl.orchestration.metrics import MetricsWriter
+from slimrl.orchestration.train_data import split_for_dp
+from slimrl.orchestration.trainer_group import TrainerGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SFT_BATCH = 32
+
+
+def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
+    from transformers import AutoTokenizer
+
+    if config.data.prompt_data is None:
+        raise ConfigError("data.prompt_data: SFT needs a data set of prompts with labels")
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    records = load_prompts(config.data.prompt_data, config.data.input_key, config.data.label_key)
+    sampler = EpochSampler(len(records), config.run.seed, config.data.shuffle)
+    batch_size = config.train.global_batch_size or DEFAULT_SFT_BATCH
+    steps = config.train.num_steps
+
+    summaries = trainers.setup(total_steps=steps)
+    total_params = sum(s["local_params"] for s in summaries)
+    logger.info("%d ranks, %d data-parallel; %d parameters held in total", len(summaries), trainers.dp_size, total_params)
+    if batch_size % trainers.dp_size:
+        raise ConfigError(
+            f"train.global_batch_size={batch_size}: must be a multiple of the data-parallel size {trainers.dp_size}"
+        )
+
+    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard)
+    progress = tqdm(range(steps), desc="sft", unit="step", dynamic_ncols=True)
+    try:
+        for step in progress:
+            start = time.perf_counter()
+            indices = sampler.take(batch_size)
+            samples = [sft_sample(tokenizer, records[i], config.data.apply_chat_template, i) for i in indices]
+            result = trainers.train_step(split_for_dp(samples, trainers.dp_size))
+            metrics = {
+                "loss": result["loss"],
+                "grad_norm": result["grad_norm"],
+                "lr": result["lr"],
+                "tokens": int(sum(len(s.tokens) for s in samples)),
+                "seconds": time.perf_counter() - start,
+            }
+            writer.write(step + 1, metrics)
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}", grad_norm=f"{metrics['grad_norm']:.3f}")
+    finally:
+        writer.close()

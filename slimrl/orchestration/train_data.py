@@ -1,0 +1,37 @@
+"""Driver side of the trainer contract: `Sample`s -> one `TrainBatch` per data-parallel rank."""
+
+from __future__ import annotations
+
+from slimrl.errors import SlimError
+from slimrl.sample import Sample
+from slimrl.trainer.batch import TrainBatch
+
+
+def split_for_dp(
+    samples: list[Sample], dp_size: int, per_token: dict[str, list[list[float]]] | None = None
+) -> list[TrainBatch]:
+    """Equal sample counts per rank (every rank runs the same number of micro-batches, which
+    expert-parallel all-to-alls need), balancing token counts greedily, longest first."""
+    if len(samples) % dp_size:
+        raise SlimError(f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel ranks")
+    per_rank = len(samples) // dp_size
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
+    members: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in order:
+        rank = min((r for r in range(dp_size) if len(members[r]) < per_rank), key=lambda r: load[r])
+        members[rank].append(i)
+        load[rank] += len(samples[i].tokens)
+    global_tokens = sum(sum(s.effective_loss_mask()) for s in samples)
+    extra = per_token or {}
+    return [
+        TrainBatch(
+            tokens=[samples[i].tokens for i in idx],
+            response_lengths=[samples[i].response_length for i in idx],
+            loss_masks=[samples[i].effective_loss_mask() for i in idx],
+            per_token={key: [values[i] for i in idx] for key, values in extra.items()},
+            global_num_tokens=global_tokens,
+            global_num_seqs=len(samples),
+        )
+        for idx in members
+    ]

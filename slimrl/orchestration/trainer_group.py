@@ -1,0 +1,92 @@
+"""The Megatron actors as one group: placement, set-up, and fan-out of per-DP-rank batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.placement import DeviceSlots
+from slimrl.trainer.batch import TrainBatch
+
+
+class _RankAddress:
+    """Tiny actor-side helper: where rank 0 listens for torch.distributed rendezvous."""
+
+    @staticmethod
+    def pick() -> tuple[str, int]:
+        from slimrl.orchestration.placement import free_port, node_address
+
+        return node_address(), free_port()
+
+
+class TrainerGroup:
+    def __init__(self, config: SlimConfig, slots: DeviceSlots, world_size: int, share: float) -> None:
+        import ray
+
+        from slimrl.trainer.distributed import RankInfo
+
+        remote_actor = ray.remote(_ActorHost)
+        first = remote_actor.options(scheduling_strategy=slots.strategy(0), **slots.resources(share))
+        self.world_size = world_size
+        self.actors = [first.remote()]
+        addr, port = ray.get(self.actors[0].pick_address.remote())
+        for rank in range(1, world_size):
+            options = remote_actor.options(scheduling_strategy=slots.strategy(rank), **slots.resources(share))
+            self.actors.append(options.remote())
+        infos = [RankInfo(rank=r, world_size=world_size, master_addr=addr, master_port=port) for r in range(world_size)]
+        ray.get([actor.create.remote(config, info) for actor, info in zip(self.actors, infos, strict=True)])
+        self.dp_rank_of: list[int] = []
+
+    def setup(self, total_steps: int) -> list[dict[str, Any]]:
+        import ray
+
+        summaries = ray.get([a.call.remote("setup", total_steps) for a in self.actors])
+        coords = ray.get([a.call.remote("coordinates") for a in self.actors])
+        self.dp_rank_of = [c["dp"] for c in coords]
+        return summaries
+
+    @property
+    def dp_size(self) -> int:
+        return max(self.dp_rank_of) + 1
+
+    def run(self, method: str, per_dp: list[Any] | None = None, *args: Any) -> list[Any]:
+        """Call `method` on every rank; with `per_dp`, rank r gets per_dp[its DP rank] first."""
+        import ray
+
+        calls = []
+        for actor, dp_rank in zip(self.actors, self.dp_rank_of, strict=True):
+            head = (per_dp[dp_rank],) if per_dp is not None else ()
+            calls.append(actor.call.remote(method, *head, *args))
+        return ray.get(calls)
+
+    def train_step(self, per_dp: list[TrainBatch]) -> dict[str, float]:
+        results = self.run("train_step", per_dp)
+        merged: dict[str, float] = {}
+        for result in results:  # only last-pipeline-stage ranks report the loss
+            for key, value in result.items():
+                merged.setdefault(key, value)
+        return merged
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class _ActorHost:
+    """Ray actor body: hosts a MegatronActor, created after the rendezvous address is known."""
+
+    def __init__(self) -> None:
+        self.actor: Any = None
+
+    def pick_address(self) -> tuple[str, int]:
+        return _RankAddress.pick()
+
+    def create(self, config: SlimConfig, info: Any) -> None:
+        from slimrl.trainer.actor import MegatronActor
+
+        self.actor = MegatronActor(config, info)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.actor, method)(*args)

@@ -1,0 +1,81 @@
+"""`Sample`: the one data contract between rollout and training.
+
+A sample is one response to one prompt. `tokens` holds prompt and response together; the last
+`response_length` of them are the response, and `loss_mask` / `rollout_log_probs` have one entry
+per response token. Field names follow slime's where the meaning is the same, so hooks written
+for it read naturally here.
+
+Example (a two-turn tool call: the tool's output is in the response but not trained on):
+
+    tokens           = [p0, p1, p2,  r0, r1,  t0, t1,  r2, eos]
+    response_length  = 6
+    loss_mask        =              [1,  1,   0,  0,   1,  1]
+    rollout_log_probs=              [-.1,-.3, 0., 0., -.2,-.05]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(kw_only=True)
+class Sample:
+    group_index: int = 0
+    """Which prompt group of the rollout batch the sample belongs to."""
+    index: int = 0
+    """Global sample index in the rollout (unique within a rollout)."""
+    prompt: str | list[dict[str, Any]] = ""
+    """Prompt text, or chat messages before the template is applied."""
+    tokens: list[int] = field(default_factory=list)
+    """Prompt tokens followed by response tokens."""
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    """Reference answer for rule-based rewards."""
+    reward: float | dict[str, float] | None = None
+    loss_mask: list[int] | None = None
+    """Per response token: 1 trains on it, 0 does not (tool output, padding). None means all ones."""
+    rollout_log_probs: list[float] | None = None
+    """Per response token: logprob reported by the inference engine that sampled it."""
+    status: Status = Status.PENDING
+    weight_versions: list[str] = field(default_factory=list)
+    """Engine weight version(s) the response was generated under."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rollout_routed_experts: list[list[list[int]]] | None = None
+    """MoE routing replay: [token][layer][topk] expert ids chosen by the engine."""
+    remove_sample: bool = False
+    """Set by a filter to keep the sample out of training (it still counts in metrics)."""
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: len(self.tokens) - self.response_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.response_length :]
+
+    def effective_loss_mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["status"] = Status(values.get("status", Status.PENDING))
+        return cls(**values)

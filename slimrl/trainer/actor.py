@@ -1,0 +1,159 @@
+"""`MegatronActor`: everything one training rank does, independent of who launched it.
+
+Ray wraps it as an actor (one per device); `torchrun` workers and tests construct it directly.
+The driver never imports Megatron: it only calls these methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from slimrl.config.checks import train_world_size
+from slimrl.config.schema import SlimConfig
+from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
+from slimrl.trainer import losses
+from slimrl.trainer.batch import MicroBatch, TrainBatch, collate, split_by_tokens, split_fixed
+from slimrl.trainer.distributed import RankInfo, init_distributed, use_cuda
+from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
+from slimrl.trainer.parallel import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronActor:
+    def __init__(self, config: SlimConfig, rank_info: RankInfo) -> None:
+        self.config = config
+        self.rank_info = rank_info
+        self.arch: ModelArch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
+        self.layout = ParallelLayout.resolve(config.parallel, train_world_size(config), self.arch)
+        self.state: TrainState | None = None
+        self.steps_done = 0
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self, total_steps: int) -> dict[str, Any]:
+        """Join the process group, build the model (and its optimizer), return a summary."""
+        init_distributed(self.rank_info, self.layout, self.config.run.seed)
+        options = build_options(self.config, use_cuda())
+        chunks = build_gpt_chunks(self.arch, self.layout, options, self.config.train.max_seq_len)
+        if self.config.model.init_from_hf:
+            from slimrl.megatron_bridge.loading import load_hf_into_megatron
+
+            load_hf_into_megatron(chunks, self.arch, self.layout, self.config.model.hf_checkpoint)
+        num_frozen = freeze(chunks, self.config.train.frozen_params)
+        self.state = build_train_state(self.config, chunks, options, total_steps)
+        num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        return {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def _chunks(self) -> list[Any]:
+        assert self.state is not None, "setup() first"
+        return self.state.model
+
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        train = self.config.train
+        if train.max_tokens_per_gpu:
+            parts = split_by_tokens(batch, train.max_tokens_per_gpu)
+        else:
+            parts = split_fixed(batch, train.micro_batch_size)
+        # Sequence parallelism splits the sequence dimension over TP ranks.
+        multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        # The interleaved (VPP) schedule cannot send activations of varying shapes.
+        same_length = max(len(t) for t in batch.tokens) if self.layout.vpp else 0
+        return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
+
+    def _forward_backward(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens_BS, mb.position_ids_BS, None, labels=mb.labels_BS)
+            return output, partial(loss_fn, mb)
+
+        iterators = [iter(micro_batches) for _ in self._chunks]
+        longest = max(mb.tokens_BS.shape[1] for mb in micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self._chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=longest,
+            micro_batch_size=max(mb.num_seqs for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        keys = sorted(values)
+        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(packed, group=mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False))
+        return dict(zip(keys, packed.tolist(), strict=True))
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch."""
+        from megatron.core import parallel_state as mpu
+
+        assert self.state is not None, "setup() first"
+        start = time.perf_counter()
+        micro_batches = self._micro_batches(batch)
+        scale = losses.loss_scale(len(micro_batches), self.layout.dp * self.layout.cp, batch.global_num_tokens)
+
+        def loss_fn(mb: MicroBatch, output):
+            if self.config.algorithm.loss != "sft":
+                raise NotImplementedError("policy losses arrive with the RL trainer")
+            return losses.sft_loss(output, mb.loss_mask_BS, scale)
+
+        for chunk in self._chunks:
+            chunk.zero_grad_buffer()
+        self.state.optimizer.zero_grad()
+        reports = self._forward_backward(micro_batches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.state.optimizer.step()
+        if ok:
+            self.state.scheduler.step(increment=1)
+        self.steps_done += 1
+        metrics: dict[str, float] = {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": self.state.optimizer.param_groups[0]["lr"],
+            "update_ok": float(ok),
+            "seconds": time.perf_counter() - start,
+        }
+        if mpu.is_pipeline_last_stage(ignore_virtual=True):
+            summed = self._sum_over_dp(
+                {
+                    "loss_sum": sum(float(r["loss_sum"]) for r in reports),
+                    "tokens": sum(float(r["tokens"]) for r in reports),
+                }
+            )
+            metrics["loss"] = summed["loss_sum"] / max(summed["tokens"], 1.0)
+            metrics["tokens"] = summed["tokens"]
+        return metrics
+
+    # ---------------------------------------------------------------- inspection
+    def coordinates(self) -> dict[str, int]:
+        from megatron.core import parallel_state as mpu
+
+        return {
+            "rank": self.rank_info.rank,
+            "tp": mpu.get_tensor_model_parallel_rank(),
+            "pp": mpu.get_pipeline_model_parallel_rank(),
+            "ep": mpu.get_expert_model_parallel_rank(),
+            "dp": mpu.get_data_parallel_rank(),
+        }
+
+    def param_digests(self) -> dict[str, str]:
+        """sha256 of every local parameter: DP replicas must hold identical bytes."""
+        digests = {}
+        for index, chunk in enumerate(self._chunks):
+            for name, param in chunk.module.named_parameters():
+                data = param.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+                digests[f"{index}/{name}"] = hashlib.sha256(data).hexdigest()
+        return digests

@@ -1,0 +1,86 @@
+"""Process start-up for a training rank: CPU compat, torch.distributed, Megatron groups, seeds.
+
+The same function serves a Ray actor (rank/world passed in), a `torchrun` worker (read from the
+environment) and the conversion CLIs, so every entry point initialises identically.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+from slimrl.trainer.parallel import ParallelLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        """Read what torchrun / srun put in the environment."""
+        env = os.environ
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+        world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+        return cls(
+            rank=rank,
+            world_size=world,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            local_rank=int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0))),
+        )
+
+
+def use_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def init_distributed(info: RankInfo, layout: ParallelLayout, seed: int, timeout_s: float = 600.0) -> None:
+    """Initialise torch.distributed and Megatron's parallel groups, then seed every RNG."""
+    from slimrl.compat import megatron_cpu
+
+    megatron_cpu.apply()  # no-op on GPU machines
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if use_cuda():
+            torch.cuda.set_device(info.local_rank)
+        dist.init_process_group(
+            backend="nccl" if use_cuda() else "gloo",
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    layout.initialize()
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

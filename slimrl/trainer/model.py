@@ -1,0 +1,128 @@
+"""Build the Megatron-Core GPT model chunks, DDP wrappers, optimizer and LR schedule for one rank."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slimrl.config.schema import SlimConfig
+from slimrl.megatron_bridge.megatron_config import BuildOptions, layer_spec, padded_vocab_size, transformer_config
+from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.trainer.parallel import ParallelLayout
+
+
+def build_options(config: SlimConfig, use_cuda: bool) -> BuildOptions:
+    dtype = config.model.dtype
+    if dtype == "auto":
+        dtype = "bf16" if use_cuda else "fp32"
+    return BuildOptions(
+        use_te=use_cuda,
+        params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+        moe_token_dispatcher=config.parallel.moe_token_dispatcher,
+        fp8_recipe=config.parallel.fp8,
+        recompute=config.parallel.recompute,
+        deterministic=config.algorithm.true_on_policy,
+    )
+
+
+def build_gpt_chunks(arch: ModelArch, layout: ParallelLayout, options: BuildOptions, max_seq_len: int) -> list[Any]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    tconfig = transformer_config(arch, layout, options)
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        stage = vp_stage if layout.vpp else None
+        chunks.append(
+            GPTModel(
+                config=tconfig,
+                transformer_layer_spec=layer_spec(tconfig, options, vp_stage=stage),
+                vocab_size=padded_vocab_size(arch.vocab_size, layout.tp),
+                max_sequence_length=max(max_seq_len, arch.max_position_embeddings),
+                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=int(arch.rope_theta),
+                vp_stage=stage,
+            )
+        )
+    return chunks
+
+
+def freeze(chunks: list[Any], patterns: list[str]) -> int:
+    """Stop training parameters whose Megatron name matches a glob; returns how many matched."""
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
+
+
+@dataclass
+class TrainState:
+    """What one rank trains: DDP-wrapped chunks, the Megatron optimizer and the LR schedule."""
+
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+
+
+def build_train_state(
+    config: SlimConfig, chunks: list[Any], options: BuildOptions, total_steps: int
+) -> TrainState:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    use_dist_opt = config.parallel.use_distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_dist_opt,
+        overlap_grad_reduce=False,
+        check_for_nan_in_grad=True,
+    )
+    model = [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    opt = config.train.optimizer
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=opt.name,
+            lr=opt.lr,
+            min_lr=opt.min_lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2,
+            adam_eps=opt.adam_eps,
+            clip_grad=opt.clip_grad,
+            bf16=options.params_dtype == torch.bfloat16,
+            params_dtype=options.params_dtype,
+            use_distributed_optimizer=use_dist_opt,
+            optimizer_cpu_offload=opt.cpu_offload,
+        ),
+        model,
+    )
+    schedule = config.train.lr_schedule
+    decay_steps = max(schedule.decay_steps or total_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if schedule.warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr if schedule.decay_style != "constant" else opt.lr,
+        lr_warmup_steps=schedule.warmup_steps,
+        lr_decay_steps=max(decay_steps, schedule.warmup_steps + 1),
+        lr_decay_style=schedule.decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler)

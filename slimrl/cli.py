@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
-    tiny.add_argument("--arch", required=True, choices=["qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3"])
+    tiny.add_argument(
+        "--arch", required=True, choices=["qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3"]
+    )
     tiny.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--set", action="append", default=[], help="config.json override key=value")

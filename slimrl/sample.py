@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     PENDING = "pending"
     COMPLETED = "completed"
     TRUNCATED = "truncated"

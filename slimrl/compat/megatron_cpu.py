@@ -5,17 +5,23 @@ GPU machine nothing here runs and Megatron uses its stock code paths (Transforme
 NCCL). Each patch names the megatron-core 0.16.1 function it covers; re-check them on upgrade
 (run the test suite: every patch is exercised by a multi-process layout test).
 
-| patch | covers |
-|---|---|
-| device redirect | `device="cuda"` / `torch.cuda.current_device()` tensors in `pipeline_parallel/schedules.py`, `optimizer/*.py`, `distributed/param_and_grad_buffer.py`, `models/common/language_module/language_module.py`; `Tensor.cuda()`, `Tensor.record_stream` |
-| cuda type names | `Tensor.type()` checks for `torch.cuda.FloatTensor` in `optimizer/clip_grads.py::get_grad_norm_fp32`, `optimizer/distrib_optimizer.py::_build_model_and_main_param_groups` |
-| rng tracker | `tensor_parallel/random.py::CudaRNGStatesTracker`, `_get_cuda_rng_state`, `_set_cuda_rng_state` (CUDA generator -> CPU generator) |
-| alltoall dispatcher | `transformer/moe/token_dispatcher.py::MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` (CUDA side stream) |
-| te_general_gemm | `transformer/moe/moe_utils.py` refers to `te_general_gemm` that only exists with TE installed |
-| synchronize | `pipeline_parallel/p2p_communication.py::_communicate` calls `torch.cuda.synchronize()` |
-| norm + SP | `transformer/torch_norm.py::WrappedTorchNorm` refuses sequence parallel; MoE with TP needs SP |
-| uneven all_gather | `tensor_parallel/mappings.py::_gather_along_first_dim` uses `dist.all_gather` with unequal sizes (expert-TP), unsupported by gloo |
-| no compile at import | `jit.py` wraps ~40 functions in `torch.compile` at import time (slow, useless on CPU) |
+Patches, each with the megatron-core code it covers:
+- device redirect: `device="cuda"` / `torch.cuda.current_device()` tensors in
+  `pipeline_parallel/schedules.py`, `optimizer/*.py`, `distributed/param_and_grad_buffer.py`,
+  `models/common/language_module/language_module.py`; also `Tensor.cuda()`, `Tensor.record_stream`.
+- CUDA type names: `Tensor.type()` checks for `torch.cuda.FloatTensor` in
+  `optimizer/clip_grads.py::get_grad_norm_fp32` and `optimizer/distrib_optimizer.py`.
+- RNG tracker: `tensor_parallel/random.py::CudaRNGStatesTracker`, `_get_cuda_rng_state`,
+  `_set_cuda_rng_state` use the CUDA generator; ours use the CPU one.
+- all-to-all dispatcher: `transformer/moe/token_dispatcher.py::MoEAlltoAllTokenDispatcher.
+  _maybe_dtoh_and_synchronize` copies split sizes on a CUDA side stream.
+- `te_general_gemm`: `transformer/moe/moe_utils.py` names it, but it only exists with TE installed.
+- synchronize: `pipeline_parallel/p2p_communication.py::_communicate` calls `torch.cuda.synchronize()`.
+- norm + SP: `transformer/torch_norm.py::WrappedTorchNorm` refuses sequence parallelism, which
+  MoE training with TP > 1 requires.
+- uneven all_gather: `tensor_parallel/mappings.py::_gather_along_first_dim` gathers unequal sizes
+  under expert-TP; gloo cannot.
+- no compile at import: `jit.py` wraps ~40 functions in `torch.compile` at import (slow, no gain on CPU).
 """
 
 from __future__ import annotations
@@ -135,7 +141,9 @@ def _patch_norm() -> None:
             return original_new(cls, config, hidden_size, *args, **kwargs)
         # The norm itself is elementwise per token; SP only needs its grads all-reduced over
         # TP, which finalize_model_grads does for params marked `sequence_parallel`.
-        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs)
+        norm = original_new(
+            cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs
+        )
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
@@ -167,7 +175,7 @@ def _import_megatron_without_compile() -> None:
     real_compile = torch.compile
     torch.compile = lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f)
     try:
-        import megatron.core  # noqa: F401
+        import megatron.core
         import megatron.core.jit  # noqa: F401
         from megatron.core.models.gpt import gpt_model  # noqa: F401
     finally:
@@ -183,7 +191,9 @@ def apply() -> None:
     # Expected on CPU, printed once per rank per layer otherwise.
     warnings.filterwarnings("ignore", message="Apex is not installed")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`")
+    warnings.filterwarnings(
+        "ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`"
+    )
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
     _import_megatron_without_compile()

@@ -19,7 +19,13 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "rollout.weight_sync": ("auto", "tensor", "distributed", "disk"),
     "rollout.router.policy": ("round_robin", "cache_aware", "power_of_two", "random"),
     "algorithm.loss": ("policy", "sft"),
-    "algorithm.advantage_estimator": ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
+    "algorithm.advantage_estimator": (
+        "grpo",
+        "gspo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "ppo",
+    ),
     "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "algorithm.mis_level": ("token", "sequence"),
@@ -98,7 +104,9 @@ def _check_paths(config: SlimConfig) -> None:
 def _check_cluster(config: SlimConfig) -> None:
     cluster = config.cluster
     if cluster.gpus_per_node < 1:
-        raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node}: must be >= 1 (on CPU: process slots)")
+        raise ConfigError(
+            f"cluster.gpus_per_node={cluster.gpus_per_node}: must be >= 1 (on CPU: process slots)"
+        )
     total = cluster.num_nodes * cluster.gpus_per_node
     if not cluster.colocate and not 0 < cluster.rollout_gpus < total:
         raise ConfigError(
@@ -146,9 +154,9 @@ def _check_algorithm(config: SlimConfig) -> None:
             "algorithm.async_staleness>0: overlapping rollout and training needs separate devices "
             "(cluster.colocate=false)"
         )
-    if algo.advantage_estimator in ("grpo", "gspo") and algo.loss == "policy":
-        if config.rollout.n_samples_per_prompt < 2:
-            raise ConfigError(
-                f"rollout.n_samples_per_prompt={config.rollout.n_samples_per_prompt}: "
-                f"{algo.advantage_estimator} needs groups of at least 2 samples"
-            )
+    group_based = algo.advantage_estimator in ("grpo", "gspo") and algo.loss == "policy"
+    if group_based and config.rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt={config.rollout.n_samples_per_prompt}: "
+            f"{algo.advantage_estimator} needs groups of at least 2 samples"
+        )

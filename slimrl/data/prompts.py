@@ -48,7 +48,9 @@ def load_prompts(
             keys = ", ".join(sorted(row)) or "none"
             raise SlimError(f"{path}: row {index} has no `{input_key}` (data.input_key); its keys: {keys}")
         records.append(
-            PromptRecord(prompt=row[input_key], label=row.get(label_key), metadata=dict(row.get(metadata_key) or {}))
+            PromptRecord(
+                prompt=row[input_key], label=row.get(label_key), metadata=dict(row.get(metadata_key) or {})
+            )
         )
     if not records:
         raise SlimError(f"{path}: no rows")

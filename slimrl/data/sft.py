@@ -11,7 +11,10 @@ from slimrl.sample import Sample, Status
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], apply_chat_template: bool) -> list[int]:
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
     if not isinstance(prompt, str):
         raise TypeError("chat-message prompts need data.apply_chat_template=true")
     return tokenizer.encode(prompt, add_special_tokens=False)
@@ -19,7 +22,7 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], apply_chat
 
 def sft_sample(tokenizer: Any, record: PromptRecord, apply_chat_template: bool, index: int = 0) -> Sample:
     prompt_ids = render_prompt(tokenizer, record.prompt, apply_chat_template)
-    response_ids = tokenizer.encode(str(record.label), add_special_tokens=False) + [tokenizer.eos_token_id]
+    response_ids = [*tokenizer.encode(str(record.label), add_special_tokens=False), tokenizer.eos_token_id]
     return Sample(
         index=index,
         prompt=record.prompt,

@@ -20,7 +20,9 @@ def prepare_run_dir(config: SlimConfig) -> Path:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def run_training(config: SlimConfig) -> Path:
@@ -47,7 +49,9 @@ def run_training(config: SlimConfig) -> Path:
         else:
             from slimrl.errors import ConfigError
 
-            raise ConfigError("algorithm.loss=policy: the RL loop is not available yet; use algorithm.loss=sft")
+            raise ConfigError(
+                "algorithm.loss=policy: the RL loop is not available yet; use algorithm.loss=sft"
+            )
     finally:
         if not config.ray.address:
             ray.shutdown()

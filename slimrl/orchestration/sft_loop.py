@@ -34,10 +34,16 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
 
     summaries = trainers.setup(total_steps=steps)
     total_params = sum(s["local_params"] for s in summaries)
-    logger.info("%d ranks, %d data-parallel; %d parameters held in total", len(summaries), trainers.dp_size, total_params)
+    logger.info(
+        "%d ranks, %d data-parallel; %d parameters held in total",
+        len(summaries),
+        trainers.dp_size,
+        total_params,
+    )
     if batch_size % trainers.dp_size:
         raise ConfigError(
-            f"train.global_batch_size={batch_size}: must be a multiple of the data-parallel size {trainers.dp_size}"
+            f"train.global_batch_size={batch_size}: must be a multiple of the data-parallel size "
+            f"{trainers.dp_size}"
         )
 
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard)

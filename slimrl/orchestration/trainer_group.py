@@ -33,7 +33,10 @@ class TrainerGroup:
         for rank in range(1, world_size):
             options = remote_actor.options(scheduling_strategy=slots.strategy(rank), **slots.resources(share))
             self.actors.append(options.remote())
-        infos = [RankInfo(rank=r, world_size=world_size, master_addr=addr, master_port=port) for r in range(world_size)]
+        infos = [
+            RankInfo(rank=r, world_size=world_size, master_addr=addr, master_port=port)
+            for r in range(world_size)
+        ]
         ray.get([actor.create.remote(config, info) for actor, info in zip(self.actors, infos, strict=True)])
         self.dp_rank_of: list[int] = []
 

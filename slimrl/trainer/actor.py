@@ -94,7 +94,9 @@ class MegatronActor:
 
         keys = sorted(values)
         packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(packed, group=mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False))
+        dist.all_reduce(
+            packed, group=mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+        )
         return dict(zip(keys, packed.tolist(), strict=True))
 
     # ---------------------------------------------------------------- training
@@ -105,7 +107,9 @@ class MegatronActor:
         assert self.state is not None, "setup() first"
         start = time.perf_counter()
         micro_batches = self._micro_batches(batch)
-        scale = losses.loss_scale(len(micro_batches), self.layout.dp * self.layout.cp, batch.global_num_tokens)
+        scale = losses.loss_scale(
+            len(micro_batches), self.layout.dp * self.layout.cp, batch.global_num_tokens
+        )
 
         def loss_fn(mb: MicroBatch, output):
             if self.config.algorithm.loss != "sft":

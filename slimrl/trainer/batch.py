@@ -62,9 +62,7 @@ class MicroBatch:
         return int(self.tokens_BS.numel())
 
 
-def collate(
-    batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0
-) -> MicroBatch:
+def collate(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> MicroBatch:
     """Right-pad sequences to a common length; padding never reaches a real token's attention."""
     longest = max(max(len(t) for t in batch.tokens), min_length)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
@@ -115,7 +113,7 @@ def split_by_tokens(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
     bins: list[list[int]] = []
     for i in sorted(range(len(batch)), key=lambda k: -lengths[k]):
         for members in bins:
-            if max(lengths[m] for m in members + [i]) * (len(members) + 1) <= max_tokens:
+            if max(lengths[m] for m in [*members, i]) * (len(members) + 1) <= max_tokens:
                 members.append(i)
                 break
         else:

@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from slimrl.config.schema import SlimConfig
-from slimrl.megatron_bridge.megatron_config import BuildOptions, layer_spec, padded_vocab_size, transformer_config
+from slimrl.megatron_bridge.megatron_config import (
+    BuildOptions,
+    layer_spec,
+    padded_vocab_size,
+    transformer_config,
+)
 from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.trainer.parallel import ParallelLayout
 
@@ -28,7 +33,9 @@ def build_options(config: SlimConfig, use_cuda: bool) -> BuildOptions:
     )
 
 
-def build_gpt_chunks(arch: ModelArch, layout: ParallelLayout, options: BuildOptions, max_seq_len: int) -> list[Any]:
+def build_gpt_chunks(
+    arch: ModelArch, layout: ParallelLayout, options: BuildOptions, max_seq_len: int
+) -> list[Any]:
     """One GPTModel per virtual pipeline stage held by this rank (one without VPP)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel

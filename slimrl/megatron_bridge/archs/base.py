@@ -55,11 +55,11 @@ class ArchSpec:
         layers = cfg["num_hidden_layers"]
         qkv_bias = bool(cfg.get(self.qkv_bias, False)) if isinstance(self.qkv_bias, str) else self.qkv_bias
         moe_fields: dict[str, Any] = {}
-        if self.moe is not None and cfg.get(self.moe.num_experts):
+        if self.moe is not None and cfg.get(self.moe.num_experts, cfg.get("num_local_experts")):
             moe_ffn = cfg[self.moe.ffn_hidden_size]
             shared = cfg.get(self.moe.shared_experts) if self.moe.shared_experts else None
             moe_fields = dict(
-                num_experts=cfg[self.moe.num_experts],
+                num_experts=cfg.get(self.moe.num_experts, cfg.get("num_local_experts")),
                 moe_topk=cfg["num_experts_per_tok"],
                 moe_ffn_hidden_size=moe_ffn,
                 moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),

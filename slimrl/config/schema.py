@@ -79,7 +79,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size."""
     etp: int | None = None
-    """Expert tensor-parallel size (null: 1)."""
+    """Expert tensor-parallel size (null: equal to tp, as in Megatron-LM)."""
     dp: int | None = None
     """Data-parallel size; null derives it as world / (tp*pp*cp)."""
     sequence_parallel: bool | None = None

@@ -30,6 +30,12 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
+def uniform_shapes(layout: ParallelLayout, options: BuildOptions) -> bool:
+    """Must every micro-batch have the same shape? The interleaved (VPP) schedule and the
+    allgather MoE dispatcher cannot cope with varying sequence lengths."""
+    return layout.vpp is not None or options.moe_token_dispatcher != "alltoall"
+
+
 def _pp_layout_string(layers_per_stage: tuple[int, ...]) -> str:
     stages = [f"t*{n}" for n in layers_per_stage]
     stages[0] = "E" + stages[0]
@@ -71,7 +77,8 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.sequence_parallel,
         # Micro-batches of different lengths (dynamic batching) need shapes sent with the activations.
-        variable_seq_lengths=layout.vpp is None,
+        variable_seq_lengths=not uniform_shapes(layout, options),
+        moe_token_dispatcher_type=options.moe_token_dispatcher,
         deterministic_mode=options.deterministic,
     )
     if layout.pp_layout is not None:
@@ -94,7 +101,6 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
             moe_router_dtype="fp32",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type=options.moe_token_dispatcher,
             moe_grouped_gemm=options.use_te,
             moe_permute_fusion=False,
         )

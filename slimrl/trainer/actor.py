@@ -16,6 +16,7 @@ import torch
 
 from slimrl.config.checks import train_world_size
 from slimrl.config.schema import SlimConfig
+from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
 from slimrl.trainer import losses
 from slimrl.trainer.batch import MicroBatch, TrainBatch, collate, split_by_tokens, split_fixed
@@ -33,13 +34,14 @@ class MegatronActor:
         self.arch: ModelArch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
         self.layout = ParallelLayout.resolve(config.parallel, train_world_size(config), self.arch)
         self.state: TrainState | None = None
+        self.options: BuildOptions | None = None
         self.steps_done = 0
 
     # ---------------------------------------------------------------- set-up
     def setup(self, total_steps: int) -> dict[str, Any]:
         """Join the process group, build the model (and its optimizer), return a summary."""
         init_distributed(self.rank_info, self.layout, self.config.run.seed)
-        options = build_options(self.config, use_cuda())
+        options = self.options = build_options(self.config, use_cuda())
         chunks = build_gpt_chunks(self.arch, self.layout, options, self.config.train.max_seq_len)
         if self.config.model.init_from_hf:
             from slimrl.megatron_bridge.loading import load_hf_into_megatron
@@ -64,8 +66,7 @@ class MegatronActor:
             parts = split_fixed(batch, train.micro_batch_size)
         # Sequence parallelism splits the sequence dimension over TP ranks.
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
-        # The interleaved (VPP) schedule cannot send activations of varying shapes.
-        same_length = max(len(t) for t in batch.tokens) if self.layout.vpp else 0
+        same_length = max(len(t) for t in batch.tokens) if uniform_shapes(self.layout, self.options) else 0
         return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
 
     def _forward_backward(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:

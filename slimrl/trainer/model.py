@@ -72,6 +72,18 @@ def freeze(chunks: list[Any], patterns: list[str]) -> int:
     return frozen
 
 
+def _wire_schedule_hooks(model: list[Any]) -> None:
+    """The pipeline schedules call these at the end of backward: all-reduce grads over DP, SP norm
+    grads over TP, tied embeddings over PP. Without them every DP replica would step on its own
+    gradient."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+
 @dataclass
 class TrainState:
     """What one rank trains: DDP-wrapped chunks, the Megatron optimizer and the LR schedule."""
@@ -99,6 +111,7 @@ def build_train_state(
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
+    _wire_schedule_hooks(model)
     opt = config.train.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(

@@ -37,8 +37,25 @@ class ParallelLayout:
         for key in ("tp", "pp", "cp", "ep"):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"parallel.{key}={getattr(cfg, key)}: must be >= 1")
-        etp = cfg.etp or 1
+        etp = cfg.tp if cfg.etp is None else cfg.etp  # Megatron-LM's default
+        if cfg.ep == 1 and etp != cfg.tp:
+            # megatron-core marks expert weights as dense when ep == 1 and reduces them over the
+            # dense data-parallel group only: with etp != tp their gradients would silently miss
+            # the other tensor-parallel ranks' tokens.
+            raise ConfigError(
+                f"parallel.etp={etp}: with parallel.ep=1 expert-TP must equal parallel.tp={cfg.tp} "
+                f"(or set parallel.ep > 1)"
+            )
+        sequence_parallel = cfg.tp > 1 if cfg.sequence_parallel is None else cfg.sequence_parallel
         model_ranks = cfg.tp * cfg.pp * cfg.cp
+        # The model's own constraints come first: they name the key to change most directly.
+        if arch is not None:
+            provisional = cls(
+                world_size=world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, etp=etp, dp=1,
+                vpp=cfg.vpp, sequence_parallel=sequence_parallel,
+                pp_layout=tuple(cfg.pp_layout) if cfg.pp_layout else None,
+            )  # fmt: skip
+            provisional.check_against(arch)
         if cfg.dp is not None:
             if model_ranks * cfg.dp != world_size:
                 raise ConfigError(
@@ -48,7 +65,8 @@ class ParallelLayout:
                 )
         elif world_size % model_ranks:
             raise ConfigError(
-                f"parallel: tp*pp*cp = {model_ranks} does not divide the training world size {world_size}"
+                f"parallel.tp={cfg.tp}, parallel.pp={cfg.pp}, parallel.cp={cfg.cp}: tp*pp*cp = {model_ranks} "
+                f"does not divide the training world size {world_size}"
             )
         dp = cfg.dp or world_size // model_ranks
         non_pp = world_size // cfg.pp
@@ -57,7 +75,7 @@ class ParallelLayout:
                 f"parallel.ep={cfg.ep}, parallel.etp={etp}: ep*etp = {cfg.ep * etp} must divide the "
                 f"expert-data world tp*cp*dp = {non_pp}"
             )
-        layout = cls(
+        return cls(
             world_size=world_size,
             tp=cfg.tp,
             pp=cfg.pp,
@@ -66,12 +84,9 @@ class ParallelLayout:
             etp=etp,
             dp=dp,
             vpp=cfg.vpp,
-            sequence_parallel=cfg.tp > 1 if cfg.sequence_parallel is None else cfg.sequence_parallel,
+            sequence_parallel=sequence_parallel,
             pp_layout=tuple(cfg.pp_layout) if cfg.pp_layout else None,
         )
-        if arch is not None:
-            layout.check_against(arch)
-        return layout
 
     def check_against(self, arch: ModelArch) -> None:
         heads, groups = arch.num_attention_heads, arch.num_query_groups

@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny local assets (nothing is downloaded) and a torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(assets) -> Callable[..., Path]:
+    """tiny_model("qwen3_moe", num_experts=3) -> a cached HF checkpoint directory."""
+    from slimrl.data.tiny_models import make_tiny
+
+    def make(arch: str, seed: int = 0, **overrides) -> Path:
+        suffix = "_".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+        out = assets / f"{arch}_s{seed}_{suffix}".rstrip("_")
+        if not out.exists():
+            make_tiny(arch, out, seed=seed, overrides=overrides or None)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def mod_sum_data(assets) -> Path:
+    from slimrl.data.toy_tasks import make_data
+
+    out = assets / "mod_sum.jsonl"
+    if not out.exists():
+        make_data("mod_sum", out, num_samples=512, seed=0)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_torchrun(
+    script: Path, nproc: int, args: list[str], out_dir: Path, timeout: float = 300
+) -> list[dict]:
+    """Run a worker under torchrun; each rank writes out_dir/rank<k>.json. Returns them by rank."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(script),
+        str(out_dir),
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{tail}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def run_slimrl(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "slimrl.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO
+    )

@@ -1,0 +1,73 @@
+"""Trainer batching: label alignment, token-budget packing, DP split, epoch sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimrl.data.prompts import EpochSampler
+from slimrl.errors import SlimError
+from slimrl.orchestration.train_data import split_for_dp
+from slimrl.sample import Sample
+from slimrl.trainer.batch import TrainBatch, collate, split_by_tokens
+
+
+def _batch(lengths, response=2):
+    tokens = [list(range(10, 10 + n)) for n in lengths]
+    return TrainBatch(
+        tokens=tokens,
+        response_lengths=[response] * len(lengths),
+        loss_masks=[[1, 0] if response == 2 else [1] * response for _ in lengths],
+        per_token={"adv": [[0.5, -1.5] for _ in lengths]},
+        global_num_tokens=len(lengths),
+    )
+
+
+def test_collate_aligns_response_values_with_labels():
+    mb = collate(_batch([5, 3]), pad_to_multiple=4)
+    assert mb.tokens_BS.shape == (2, 8)
+    # Sequence 0 = [10..14], response = [13, 14]: predicted by the logits at positions 2 and 3.
+    assert mb.labels_BS[0, 2:4].tolist() == [13, 14]
+    assert mb.loss_mask_BS[0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert mb.response_mask_BS[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert mb.per_token_BS["adv"][1].tolist() == [0.5, -1.5, 0, 0, 0, 0, 0, 0]  # response starts at 1
+    assert mb.seq_index_BS[1].tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
+
+
+def test_split_by_tokens_respects_budget_and_keeps_every_sequence():
+    lengths = [30, 7, 12, 25, 3, 16, 9, 9]
+    parts = split_by_tokens(_batch(lengths), max_tokens=40)
+    for part in parts:
+        assert max(len(t) for t in part.tokens) * len(part) <= 40
+    assert sorted(len(t) for p in parts for t in p.tokens) == sorted(lengths)
+    assert len(parts) <= 5
+
+
+def test_split_by_tokens_names_the_budget_when_one_sequence_is_too_long():
+    with pytest.raises(SlimError, match=r"train.max_tokens_per_gpu=16: sequence 0 has 30 tokens"):
+        split_by_tokens(_batch([30, 4]), max_tokens=16)
+
+
+def test_split_for_dp_equal_counts_and_balanced_tokens():
+    samples = [
+        Sample(tokens=[1] * n, response_length=1, loss_mask=[1]) for n in (40, 1, 30, 10, 20, 20, 5, 34)
+    ]
+    parts = split_for_dp(samples, 2)
+    assert [len(p) for p in parts] == [4, 4]
+    loads = [sum(len(t) for t in p.tokens) for p in parts]
+    assert abs(loads[0] - loads[1]) <= 10
+    assert all(p.global_num_tokens == 8 and p.global_num_seqs == 8 for p in parts)
+    with pytest.raises(SlimError, match="cannot be split evenly"):
+        split_for_dp(samples[:3], 2)
+
+
+def test_epoch_sampler_is_seeded_and_resumable():
+    a = EpochSampler(10, seed=3)
+    first = a.take(7)
+    state = a.state_dict()
+    rest = a.take(8)
+    b = EpochSampler(10, seed=3)
+    b.load_state_dict(state)
+    assert b.take(8) == rest
+    assert sorted(first + rest[:3]) == list(range(10))  # first epoch covers everything once
+    assert torch.tensor(EpochSampler(10, seed=4).take(10)).tolist() != first + rest[:3]

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
+from slimrl.utils.fs import atomic_write_text
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    """`start_step` is the last step already done (0 for a fresh run): rows after it, left by an
+    earlier attempt of the same run, are dropped so the file reads as one uninterrupted run."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, start_step: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r["step"] <= start_step] if self.path.exists() else []
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            tb_dir = run_dir / "tensorboard"
+            if start_step == 0:
+                shutil.rmtree(tb_dir, ignore_errors=True)
+            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -23,12 +23,12 @@ demo: $(STAMP)
 	$(BIN)/python launch/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check slimrl tests tools bench launch examples
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check slimrl tests tools bench launch examples
-	$(BIN)/ruff format --check slimrl tests tools bench launch examples
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -91,12 +91,24 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_layout_resolution(moe):
-    config = load_config(None, _base(moe, "parallel.tp=2", "parallel.ep=2"))
     from slimrl.megatron_bridge.model_arch import read_model_arch
 
-    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), read_model_arch(moe))
-    assert (layout.tp, layout.dp, layout.ep, layout.etp, layout.expert_dp) == (2, 2, 2, 1, 2)
+    def resolve(*extra):
+        config = load_config(None, _base(moe, "parallel.tp=2", "parallel.ep=2", *extra))
+        return ParallelLayout.resolve(config.parallel, train_world_size(config), read_model_arch(moe))
+
+    layout = resolve()
+    assert (layout.tp, layout.dp, layout.ep, layout.etp, layout.expert_dp) == (2, 2, 2, 2, 1)
     assert layout.sequence_parallel  # derived: on whenever tp > 1
+    layout = resolve("parallel.etp=1")
+    assert (layout.etp, layout.expert_dp) == (1, 2)
+
+
+def test_expert_tp_must_equal_tp_without_expert_parallelism(moe):
+    with pytest.raises(
+        ConfigError, match=r"parallel.etp=1: with parallel.ep=1 expert-TP must equal parallel.tp=2"
+    ):
+        load_config(None, _base(moe, "parallel.tp=2", "parallel.etp=1"))
 
 
 def test_cli_exits_2_with_one_line_for_tp3(moe):

@@ -111,9 +111,10 @@ def test_expert_tp_must_equal_tp_without_expert_parallelism(moe):
         load_config(None, _base(moe, "parallel.tp=2", "parallel.etp=1"))
 
 
-def test_cli_exits_2_with_one_line_for_tp3(moe):
+def test_cli_exits_2_with_one_line_for_tp3(moe, mod_sum_data):
+    config = str(REPO / "configs" / "tiny_moe_cpu.yaml")
     proc = run_slimrl(
-        "train", str(REPO / "configs" / "tiny_moe_cpu.yaml"), f"model.hf_checkpoint={moe}", "parallel.tp=3"
+        "train", config, f"model.hf_checkpoint={moe}", f"data.prompt_data={mod_sum_data}", "parallel.tp=3"
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -21,6 +21,11 @@ Patches, each with the megatron-core code it covers:
   MoE training with TP > 1 requires.
 - uneven all_gather: `tensor_parallel/mappings.py::_gather_along_first_dim` gathers unequal sizes
   under expert-TP; gloo cannot.
+- MLA core attention: `transformer/multi_latent_attention.py::MultiLatentAttention` passes
+  `k_channels`/`v_channels` to its core attention, which the local `DotProductAttention` does not
+  take (only `TEDotProductAttention` does); `mla_core_attention()` adapts it. The same module
+  believes TE is present (its import of `extensions/transformer_engine.py` yields MagicMock
+  placeholders without TE), so `HAVE_TE` is reset there.
 - no compile at import: `jit.py` wraps ~40 functions in `torch.compile` at import (slow, no gain on CPU).
 """
 
@@ -171,6 +176,27 @@ def _patch_uneven_all_gather() -> None:
     dist.all_gather = all_gather
 
 
+def mla_core_attention() -> type:
+    """Local `DotProductAttention` that accepts MLA's separate q/k and v head sizes."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(
+            self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any
+        ):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # the context has v_channels per head, not kv_channels
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def _patch_mla() -> None:
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
 def _import_megatron_without_compile() -> None:
     real_compile = torch.compile
     torch.compile = lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f)
@@ -201,5 +227,6 @@ def apply() -> None:
     _patch_moe()
     _patch_norm()
     _patch_uneven_all_gather()
+    _patch_mla()
     _CudaToCpuMode().__enter__()  # global for the life of the process
     _APPLIED = True

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.trainer.parallel import ParallelLayout
 
@@ -59,7 +60,8 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        # MLA always normalises its compressed q/kv (q_a_layernorm, kv_a_layernorm).
+        qk_layernorm=arch.qk_norm or arch.mla is not None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # RL and SFT both compare logits against another implementation; keep the softmax in fp32.
@@ -99,6 +101,9 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
             # softmax-topk-renormalise (Qwen's norm_topk_prob=true).
             moe_router_pre_softmax=arch.router_score_function == "softmax" and not arch.moe_norm_topk_prob,
             moe_router_dtype="fp32",
+            # The expert bias moves only with optimizer steps, never by a load heuristic: RL updates
+            # stay reproducible and resumable, and the engines see exactly the trained router.
+            moe_router_bias_update_rate=0.0,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=options.use_te,
@@ -111,24 +116,59 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
         if options.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     if arch.mla is not None:
-        mla = arch.mla
-        return MLATransformerConfig(
-            **kwargs,
-            q_lora_rank=mla.q_lora_rank,
-            kv_lora_rank=mla.kv_lora_rank,
-            qk_head_dim=mla.qk_nope_head_dim,
-            qk_pos_emb_head_dim=mla.qk_rope_head_dim,
-            v_head_dim=mla.v_head_dim,
-            rotary_base=arch.rope_theta,
-            rope_type="rope",
+        return MLATransformerConfig(**kwargs, **_mla_kwargs(arch))
+    if arch.rope_scaling is not None:
+        raise BridgeError(
+            f"{arch.model_type}: RoPE scaling `{arch.rope_scaling['rope_type']}` is not supported yet"
         )
     return TransformerConfig(**kwargs)
+
+
+def _mla_kwargs(arch: ModelArch) -> dict[str, Any]:
+    mla = arch.mla
+    assert mla is not None
+    out: dict[str, Any] = dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=arch.rope_theta,
+        # Megatron's MLA de-interleaves rope dims itself (the flag is for non-MLA attention); the
+        # rules permute `rope_interleave=false` checkpoints into that layout.
+        rotary_interleaved=False,
+        apply_rope_fusion=False,
+        rope_type="rope",
+    )
+    scaling = arch.rope_scaling
+    if scaling is not None:
+        if scaling["rope_type"] != "yarn":
+            raise BridgeError(
+                f"{arch.model_type}: RoPE scaling `{scaling['rope_type']}` is not supported with MLA"
+            )
+        out.update(
+            rope_type="yarn",
+            rotary_scaling_factor=scaling["factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+            beta_fast=scaling.get("beta_fast", 32.0),
+            beta_slow=scaling.get("beta_slow", 1.0),
+            mscale=scaling.get("mscale", 1.0),
+            mscale_all_dim=scaling.get("mscale_all_dim", 0.0),
+        )
+    return out
 
 
 def layer_spec(config: Any, options: BuildOptions, vp_stage: int | None = None) -> Any:
     """Per-layer spec: TE modules on GPU, Megatron-Core's local modules on CPU."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(
+    spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=options.use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
+    if getattr(config, "multi_latent_attention", False) and not options.use_te:
+        from slimrl.compat.megatron_cpu import mla_core_attention
+
+        core = mla_core_attention()
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = core
+    return spec

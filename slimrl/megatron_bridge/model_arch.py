@@ -56,6 +56,10 @@ class ModelArch:
     router_num_groups: int | None = None
     router_group_topk: int | None = None
     mla: MLADims | None = None
+    rope_interleaved: bool = False
+    """RoPE on interleaved pairs (DeepSeek's layout) instead of rotate-half."""
+    rope_scaling: dict[str, Any] | None = None
+    """YaRN parameters (`factor`, `original_max_position_embeddings`, `beta_fast`, ...), if any."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,6 +71,14 @@ def rope_theta_of(cfg: dict[str, Any]) -> float:
     """transformers 5 nests RoPE settings in `rope_parameters`; older configs keep `rope_theta`."""
     params = cfg.get("rope_parameters") or {}
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def rope_scaling_of(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    return {**params, "rope_type": kind}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:

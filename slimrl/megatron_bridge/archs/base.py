@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from slimrl.megatron_bridge.model_arch import MLADims, ModelArch, rope_theta_of
+from slimrl.megatron_bridge.model_arch import MLADims, ModelArch, rope_scaling_of, rope_theta_of
+from slimrl.megatron_bridge.rules import RuleSet, WeightRule
 
 LayerRule = Callable[[dict[str, Any], int], bool]
 
@@ -48,6 +49,17 @@ class ArchSpec:
     """A constant, or the HF key that says whether q/k/v projections have a bias."""
     moe: MoEKeys | None = None
     mla: bool = False
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    """(standard HF template, this architecture's template) pairs, for checkpoints whose tensor
+    names differ from the Llama/Qwen convention, e.g. Mixtral's `block_sparse_moe.experts.{expert}.w1`."""
+
+    def rules(self, arch: ModelArch) -> RuleSet:
+        renames = dict(self.hf_renames)
+        rules = [
+            WeightRule(r.megatron, tuple(renames.get(h, h) for h in r.hf), r.kind, r.export)
+            for r in standard_rules(self, arch)
+        ]
+        return RuleSet(rules)
 
     def read_arch(self, cfg: dict[str, Any]) -> ModelArch:
         heads = cfg["num_attention_heads"]
@@ -97,5 +109,94 @@ class ArchSpec:
             qk_norm=self.qk_norm,
             qkv_bias=qkv_bias,
             mla=mla,
+            rope_interleaved=self.mla and bool(cfg.get("rope_interleave", True)),
+            rope_scaling=rope_scaling_of(cfg),
             **moe_fields,
         )
+
+
+L = "decoder.layers.{layer}."
+H = "model.layers.{layer}."
+
+
+def standard_rules(spec: ArchSpec, arch: ModelArch) -> list[WeightRule]:
+    """The Llama/Qwen/DeepSeek tensor layout, switched by what the architecture has."""
+    out_source = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    rules = [
+        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        WeightRule("output_layer.weight", (out_source,), "vocab", export=not arch.tie_word_embeddings),
+        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        WeightRule(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
+        WeightRule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+        WeightRule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
+        # Dense MLP (every layer of a dense model; the first-k / `mlp_only_layers` of an MoE).
+        WeightRule(
+            L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up"
+        ),
+        WeightRule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
+    ]
+    rules += _mla_rules(arch) if spec.mla else _gqa_rules(arch, spec.qk_norm)
+    if arch.is_moe:
+        rules += _moe_rules(arch)
+    return rules
+
+
+def _gqa_rules(arch: ModelArch, qk_norm: bool) -> list[WeightRule]:
+    qkv = tuple(H + f"self_attn.{p}_proj.weight" for p in "qkv")
+    rules = [WeightRule(L + "self_attention.linear_qkv.weight", qkv, "qkv")]
+    if arch.qkv_bias:
+        bias = tuple(H + f"self_attn.{p}_proj.bias" for p in "qkv")
+        rules.append(WeightRule(L + "self_attention.linear_qkv.bias", bias, "qkv"))
+    if qk_norm:
+        rules += [
+            WeightRule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",)),
+            WeightRule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",)),
+        ]
+    return rules
+
+
+def _mla_rules(arch: ModelArch) -> list[WeightRule]:
+    attn = L + "self_attention."
+    q_kind, kv_kind = ("copy", "copy") if arch.rope_interleaved else ("mla_q", "mla_kv")
+    rules = [
+        WeightRule(
+            attn + "linear_kv_down_proj.weight", (H + "self_attn.kv_a_proj_with_mqa.weight",), kv_kind
+        ),
+        WeightRule(attn + "kv_layernorm.weight", (H + "self_attn.kv_a_layernorm.weight",)),
+        WeightRule(attn + "linear_kv_up_proj.weight", (H + "self_attn.kv_b_proj.weight",)),
+    ]
+    if arch.mla is not None and arch.mla.q_lora_rank is not None:
+        rules += [
+            WeightRule(attn + "linear_q_down_proj.weight", (H + "self_attn.q_a_proj.weight",)),
+            WeightRule(attn + "q_layernorm.weight", (H + "self_attn.q_a_layernorm.weight",)),
+            WeightRule(attn + "linear_q_up_proj.weight", (H + "self_attn.q_b_proj.weight",), q_kind),
+        ]
+    else:
+        rules.append(WeightRule(attn + "linear_q_proj.weight", (H + "self_attn.q_proj.weight",), q_kind))
+    return rules
+
+
+def _moe_rules(arch: ModelArch) -> list[WeightRule]:
+    expert, hf_expert = L + "mlp.experts.local_experts.{expert}.", H + "mlp.experts.{expert}."
+    rules = [
+        WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",)),
+        WeightRule(
+            expert + "linear_fc1.weight",
+            (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
+            "gate_up",
+        ),
+        WeightRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",)),
+    ]
+    if arch.router_expert_bias:
+        rules.append(WeightRule(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",)))
+    if arch.shared_expert_ffn_hidden_size:
+        shared, hf_shared = L + "mlp.shared_experts.", H + "mlp.shared_experts."
+        rules += [
+            WeightRule(
+                shared + "linear_fc1.weight",
+                (hf_shared + "gate_proj.weight", hf_shared + "up_proj.weight"),
+                "gate_up",
+            ),
+            WeightRule(shared + "linear_fc2.weight", (hf_shared + "down_proj.weight",)),
+        ]
+    return rules

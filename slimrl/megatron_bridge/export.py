@@ -1,0 +1,106 @@
+"""Streaming export: a running sharded Megatron model -> HF-named full tensors, in buckets.
+
+Used by the Megatron -> HF converter and by the weight sync to the rollout fleet. Tensor shards
+are gathered over their (expert-)tensor-parallel group one tensor at a time, so no rank ever holds
+more than one full tensor plus the bucket it is filling. Every HF tensor is produced by exactly
+one *owner* rank: TP/ETP rank 0 of data-parallel replica 0, in the pipeline stage (and expert-
+parallel rank) holding it; other ranks take part in the gathers and yield nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.loading import ShardContext, rules_for
+from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
+from slimrl.megatron_bridge.rules import megatron_full_to_hf, unshard
+from slimrl.trainer.parallel import ParallelLayout
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def _gather(local: LocalTensor, ctx: ShardContext) -> list[torch.Tensor]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    _, size = ctx.group(local)
+    if local.partition_dim is None or size == 1:
+        return [local.tensor.detach()]
+    group = (
+        mpu.get_expert_tensor_parallel_group() if local.is_expert else mpu.get_tensor_model_parallel_group()
+    )
+    shards = [torch.empty_like(local.tensor) for _ in range(size)]
+    dist.all_gather(shards, local.tensor.detach().contiguous(), group=group)
+    return shards
+
+
+def _replica_zero(is_expert: bool) -> bool:
+    """Data-parallel replicas hold identical copies; replica 0 speaks for them."""
+    from megatron.core import parallel_state as mpu
+
+    if is_expert:
+        return mpu.get_expert_data_parallel_rank() == 0
+    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def iter_hf_tensors(
+    chunks: list[Any], arch: ModelArch, layout: ParallelLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors owned by this rank, in model order."""
+    rules = rules_for(arch)
+    ctx = ShardContext(arch, layout)
+    for chunk in chunks:
+        for local in local_tensors(chunk, ctx.expert_offset):
+            match = rules.match(local.name)
+            if match is None:
+                raise BridgeError(
+                    f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})"
+                )
+            rule, hf_names = match
+            if not rule.export or not _replica_zero(local.is_expert):
+                continue  # a whole TP/ETP group shares the replica index: all skip together
+            shards = _gather(local, ctx)
+            rank, _ = ctx.group(local)
+            if rank != 0:
+                continue
+            full = unshard(rule.kind, shards, local.partition_dim)
+            yield from zip(hf_names, megatron_full_to_hf(rule.kind, full, arch), strict=True)
+
+
+def bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group a tensor stream into buckets of about `bucket_bytes` (a bigger tensor is its own)."""
+    bucket: NamedTensors = []
+    size = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def export_hf_buckets(
+    chunks: list[Any],
+    arch: ModelArch,
+    layout: ParallelLayout,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    fp8: bool = False,
+) -> Iterator[NamedTensors]:
+    """Buckets of HF-named tensors owned by this rank, optionally cast and FP8 block-quantised."""
+    stream = iter_hf_tensors(chunks, arch, layout)
+    if dtype is not None:
+        stream = ((name, t.to(dtype)) for name, t in stream)
+    if fp8:
+        from slimrl.megatron_bridge.fp8 import quantize_named_tensors
+
+        stream = quantize_named_tensors(stream)
+    yield from bucketed(stream, bucket_bytes)

@@ -1,0 +1,166 @@
+"""Reading and writing Hugging Face safetensors checkpoints, one tensor at a time.
+
+The reader validates every shard before anything is converted (a missing or truncated shard is a
+one-line error naming the file); the writer fills shards up to a byte limit and names them the HF
+way (`model-00001-of-00003.safetensors` + `model.safetensors.index.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from slimrl.errors import SlimError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+_DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class BridgeError(SlimError):
+    """A checkpoint that cannot be converted as it is."""
+
+
+def _check_shard(path: Path) -> list[str]:
+    """Parse the safetensors header and check the file holds every byte it promises."""
+    if not path.is_file():
+        raise BridgeError(f"{path}: safetensors shard listed in the checkpoint is missing")
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        raw = handle.read(8)
+        if len(raw) < 8:
+            raise BridgeError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise BridgeError(
+                f"{path}: truncated safetensors file (header wants {header_len} bytes, file has {size})"
+            )
+        try:
+            header = json.loads(handle.read(header_len))
+        except json.JSONDecodeError:
+            raise BridgeError(f"{path}: corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + header_len + end > size:
+        raise BridgeError(
+            f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})"
+        )
+    return list(header)
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of an HF checkpoint directory (single file or sharded)."""
+
+    def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / INDEX_NAME
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise BridgeError(f"{self.dir}: no *.safetensors files (and no {INDEX_NAME})")
+            weight_map = {}
+        self.location: dict[str, str] = {}
+        for file in files:
+            for name in _check_shard(self.dir / file):
+                self.location[name] = file
+        missing = sorted(n for n, f in weight_map.items() if self.location.get(n) != f)
+        if missing:
+            raise BridgeError(
+                f"{index}: {len(missing)} tensors listed but not in their shard, e.g. {missing[0]}"
+            )
+        self._handles: dict[str, object] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.location.get(name)
+        if file is None:
+            raise BridgeError(f"{self.dir}: tensor `{name}` is not in the checkpoint")
+        return self._handle(file).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.location[name]).get_slice(name).get_shape())
+
+    def total_bytes(self) -> int:
+        return sum((self.dir / f).stat().st_size for f in set(self.location.values()))
+
+
+class ShardWriter:
+    """Writes (name, tensor) pairs into shard files of at most `max_shard_bytes` each.
+
+    Files are written under a rank-specific provisional name; `finalize_index` (on one rank)
+    renames them to the HF convention once the total is known and writes the index.
+    """
+
+    def __init__(self, out_dir: Path, rank: int = 0, max_shard_bytes: int = 2 * 1024**3) -> None:
+        self.out_dir, self.rank, self.max_bytes = Path(out_dir), rank, max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.bytes_written = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_bytes:
+            self.flush()
+        self._pending[name] = tensor.detach().contiguous().cpu()
+        self._pending_bytes += size
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        file = f"part-r{self.rank:05d}-{len(self.files):05d}.safetensors"
+        save_file(self._pending, str(self.out_dir / file), metadata={"format": "pt"})
+        self.files.append((file, list(self._pending)))
+        self.bytes_written += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+
+def finalize_index(out_dir: Path, files: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """Rename provisional shard files to `model-0000k-of-0000n.safetensors` and write the index."""
+    count = len(files)
+    weight_map: dict[str, str] = {}
+    for k, (file, names) in enumerate(sorted(files), start=1):
+        final = f"model-{k:05d}-of-{count:05d}.safetensors"
+        os.replace(out_dir / file, out_dir / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def iter_tensors(reader: HFCheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in reader.names:
+        yield name, reader.get(name)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES[dtype]

@@ -1,0 +1,93 @@
+"""HF checkpoint -> the Megatron model chunks of this rank, tensor by tensor.
+
+Each rank reads only the HF tensors its own shards are made of. Nothing is silently dropped:
+a Megatron tensor without a rule, an HF tensor no rank consumed, or a shape that does not fit
+is an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slimrl.megatron_bridge.archs import ARCH_SPECS
+from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
+from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
+from slimrl.megatron_bridge.rules import RuleSet, hf_to_megatron_full, shard
+from slimrl.trainer.parallel import ParallelLayout
+
+
+class ShardContext:
+    """This rank's coordinates, as the bridge needs them (read once from megatron's mpu)."""
+
+    def __init__(self, arch: ModelArch, layout: ParallelLayout) -> None:
+        from megatron.core import parallel_state as mpu
+
+        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), layout.tp
+        self.etp_rank, self.etp_size = mpu.get_expert_tensor_parallel_rank(), layout.etp
+        self.ep_rank, self.ep_size = mpu.get_expert_model_parallel_rank(), layout.ep
+        self.expert_offset = self.ep_rank * (arch.num_experts or 0) // layout.ep
+
+    def group(self, tensor: LocalTensor) -> tuple[int, int]:
+        """(rank, size) of the tensor-parallel group this tensor is split over."""
+        return (self.etp_rank, self.etp_size) if tensor.is_expert else (self.tp_rank, self.tp_size)
+
+
+def rules_for(arch: ModelArch) -> RuleSet:
+    return ARCH_SPECS[arch.model_type].rules(arch)
+
+
+def load_hf_into_megatron(
+    chunks: list[Any], arch: ModelArch, layout: ParallelLayout, hf_dir: str, check_complete: bool = True
+) -> set[str]:
+    """Copy HF weights into this rank's chunks; returns the HF names this rank consumed."""
+    reader = HFCheckpointReader(hf_dir)
+    rules = rules_for(arch)
+    ctx = ShardContext(arch, layout)
+    consumed: set[str] = set()
+    with torch.no_grad():
+        for chunk in chunks:
+            for local in local_tensors(chunk, ctx.expert_offset):
+                consumed.update(_load_one(local, rules, reader, arch, ctx))
+    if check_complete:
+        _check_everything_consumed(consumed, set(reader.names), hf_dir)
+    return consumed
+
+
+def _load_one(
+    local: LocalTensor, rules: RuleSet, reader: HFCheckpointReader, arch: ModelArch, ctx: ShardContext
+) -> list[str]:
+    match = rules.match(local.name)
+    if match is None:
+        raise BridgeError(f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})")
+    rule, hf_names = match
+    rank, size = ctx.group(local)
+    parts = [reader.get(name).to(local.tensor.dtype) for name in hf_names]
+    padded_rows = local.tensor.shape[0] * (size if local.partition_dim == 0 else 1)
+    full = hf_to_megatron_full(rule.kind, parts, arch, padded_rows)
+    piece = shard(rule.kind, full, local.partition_dim, rank, size)
+    if piece.shape != local.tensor.shape:
+        shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(hf_names, parts, strict=True))
+        raise BridgeError(
+            f"shape mismatch for `{local.name}`: Megatron shard {tuple(local.tensor.shape)} but the HF "
+            f"tensors give {tuple(piece.shape)} ({shapes}); does config.json match the weights?"
+        )
+    local.tensor.data.copy_(piece)
+    return hf_names
+
+
+def _check_everything_consumed(consumed: set[str], available: set[str], hf_dir: str) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[set[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, consumed)
+        consumed = set().union(*(g or set() for g in gathered))
+    unused = sorted(available - consumed)
+    if unused:
+        raise BridgeError(
+            f"{hf_dir}: {len(unused)} HF tensors have no place in the Megatron model, e.g. `{unused[0]}` "
+            f"(unsupported variant of the architecture?)"
+        )

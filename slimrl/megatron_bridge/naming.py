@@ -1,0 +1,80 @@
+"""The tensors one rank holds, under canonical names that rules can match.
+
+Canonical = local-spec module names, *global* layer index, *global* expert id. Megatron's own
+names differ by pipeline stage (layer indices restart at 0 per stage), by EP rank (local expert
+ids) and by spec (Transformer Engine fuses norms into linears and groups expert weights).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Transformer Engine spec name -> local spec name (TE fuses the pre-norm into the next linear).
+TE_ALIASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"\.self_attention\.linear_qkv\.layer_norm_weight$", ".input_layernorm.weight"),
+        (r"\.mlp\.linear_fc1\.layer_norm_weight$", ".pre_mlp_layernorm.weight"),
+        (r"\.self_attention\.linear_q_up_proj\.layer_norm_weight$", ".self_attention.q_layernorm.weight"),
+        (r"\.self_attention\.linear_kv_up_proj\.layer_norm_weight$", ".self_attention.kv_layernorm.weight"),
+        (
+            r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$",
+            r".mlp.experts.local_experts.\2.linear_fc\1.weight",
+        ),
+    )
+)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+# Buffers that are model state (exported); all other buffers are runtime bookkeeping.
+STATE_BUFFERS = re.compile(r"\.router\.expert_bias$")
+
+
+@dataclass
+class LocalTensor:
+    name: str
+    """Canonical name."""
+    tensor: torch.Tensor
+    partition_dim: int | None
+    """Dimension split over (expert-)tensor-parallel ranks; None when replicated."""
+    is_expert: bool
+
+
+def canonical_name(local_name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:
+    name = local_name
+    for pattern, replacement in TE_ALIASES:
+        name = pattern.sub(replacement, name)
+    found = _LAYER.match(name)
+    if found:
+        name = f"decoder.layers.{layer_numbers[int(found.group(1))]}." + name[found.end() :]
+    return _EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+def _partition_dim(tensor: torch.Tensor) -> int | None:
+    if getattr(tensor, "tensor_model_parallel", False):
+        return int(tensor.partition_dim)
+    return None
+
+
+def local_tensors(chunk: Any, expert_offset: int) -> Iterator[LocalTensor]:
+    """Parameters (and state buffers) of one model chunk, in module order, canonically named.
+
+    `expert_offset` is the global id of this rank's first local expert (ep_rank * experts/ep).
+    """
+    module = getattr(chunk, "module", chunk)  # unwrap DDP
+    layers = module.decoder.layers if hasattr(module, "decoder") else []
+    layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    items += [(n, b) for n, b in module.named_buffers() if STATE_BUFFERS.search(n)]
+    for name, tensor in items:
+        canonical = canonical_name(name, layer_numbers, expert_offset)
+        yield LocalTensor(
+            name=canonical,
+            tensor=tensor,
+            partition_dim=_partition_dim(tensor),
+            is_expert=".mlp.experts." in canonical,
+        )

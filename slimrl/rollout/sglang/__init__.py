@@ -1,0 +1,1 @@
+"""Real SGLang servers as the rollout fleet (GPU): launch command, environment, client."""

@@ -40,6 +40,8 @@ def _make_data(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from slimrl.megatron_bridge.cli import build_parser as convert_parser
+
     parser = argparse.ArgumentParser(prog="slimrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -64,10 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(handler=_make_data)
+
+    convert = sub.add_parser(
+        "convert", help="HF <-> Megatron-Core checkpoints", parents=[convert_parser()], add_help=False
+    )
+    convert.set_defaults(handler=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:  # the converter relaunches itself under torchrun
+        from slimrl.megatron_bridge.cli import main as convert_main
+
+        return convert_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)

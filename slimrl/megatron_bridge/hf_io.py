@@ -107,6 +107,13 @@ class HFCheckpointReader:
             raise BridgeError(f"{self.dir}: tensor `{name}` is not in the checkpoint")
         return self._handle(file).get_tensor(name)
 
+    def nbytes(self, name: str) -> int:
+        view = self._handle(self.location[name]).get_slice(name)
+        count = 1
+        for dim in view.get_shape():
+            count *= dim
+        return count * dtype_bytes(view.get_dtype())
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.location[name]).get_slice(name).get_shape())
 

@@ -7,6 +7,7 @@ is an error naming the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,9 +41,16 @@ def rules_for(arch: ModelArch) -> RuleSet:
 
 
 def load_hf_into_megatron(
-    chunks: list[Any], arch: ModelArch, layout: ParallelLayout, hf_dir: str, check_complete: bool = True
+    chunks: list[Any],
+    arch: ModelArch,
+    layout: ParallelLayout,
+    hf_dir: str,
+    check_complete: bool = True,
+    progress: Callable[[int], object] | None = None,
 ) -> set[str]:
-    """Copy HF weights into this rank's chunks; returns the HF names this rank consumed."""
+    """Copy HF weights into this rank's chunks; returns the HF names this rank consumed.
+
+    `progress` is called with the bytes of each HF tensor read."""
     reader = HFCheckpointReader(hf_dir)
     rules = rules_for(arch)
     ctx = ShardContext(arch, layout)
@@ -50,7 +58,10 @@ def load_hf_into_megatron(
     with torch.no_grad():
         for chunk in chunks:
             for local in local_tensors(chunk, ctx.expert_offset):
-                consumed.update(_load_one(local, rules, reader, arch, ctx))
+                names = _load_one(local, rules, reader, arch, ctx)
+                consumed.update(names)
+                if progress is not None:
+                    progress(sum(reader.nbytes(n) for n in names))
     if check_complete:
         _check_everything_consumed(consumed, set(reader.names), hf_dir)
     return consumed

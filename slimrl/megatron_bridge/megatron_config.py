@@ -23,6 +23,8 @@ class BuildOptions:
     fp8_recipe: str | None = None
     recompute: str | None = None
     deterministic: bool = False
+    init_weights: bool = True
+    """False skips Megatron's random initialisation (weights are loaded right after)."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -71,6 +73,7 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
         bf16=options.params_dtype == torch.bfloat16,
         fp16=False,
         use_cpu_initialization=not options.use_te,
+        perform_initialization=options.init_weights,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,

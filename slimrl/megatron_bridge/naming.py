@@ -31,7 +31,7 @@ TE_ALIASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 # Buffers that are model state (exported); all other buffers are runtime bookkeeping.
-STATE_BUFFERS = re.compile(r"\.router\.expert_bias$")
+STATE_BUFFERS = re.compile(r"(^|\.)expert_bias$")
 
 
 @dataclass
@@ -54,7 +54,16 @@ def canonical_name(local_name: str, layer_numbers: dict[int, int], expert_offset
     return _EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
 
 
-def _partition_dim(tensor: torch.Tensor) -> int | None:
+def _partition_dim(module: Any, param_name: str, tensor: torch.Tensor) -> int | None:
+    """Which dim TP splits, from the module type (Megatron only sets the tensor attributes when it
+    initialises weights itself, which a conversion skips)."""
+    kind = type(module).__name__
+    if "layer_norm" in param_name:
+        return None  # TE's fused pre-norm inside a parallel linear is replicated
+    if kind == "VocabParallelEmbedding" or "ColumnParallel" in kind:
+        return 0
+    if "RowParallel" in kind:
+        return 1 if param_name.startswith("weight") else None
     if getattr(tensor, "tensor_model_parallel", False):
         return int(tensor.partition_dim)
     return None
@@ -68,13 +77,14 @@ def local_tensors(chunk: Any, expert_offset: int) -> Iterator[LocalTensor]:
     module = getattr(chunk, "module", chunk)  # unwrap DDP
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
-    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
-    items += [(n, b) for n, b in module.named_buffers() if STATE_BUFFERS.search(n)]
-    for name, tensor in items:
-        canonical = canonical_name(name, layer_numbers, expert_offset)
-        yield LocalTensor(
-            name=canonical,
-            tensor=tensor,
-            partition_dim=_partition_dim(tensor),
-            is_expert=".mlp.experts." in canonical,
-        )
+    for owner_name, owner in module.named_modules():
+        prefix = f"{owner_name}." if owner_name else ""
+        items = [(n, p, _partition_dim(owner, n, p)) for n, p in owner.named_parameters(recurse=False)]
+        items += [
+            (n, b, None) for n, b in owner.named_buffers(recurse=False) if STATE_BUFFERS.search("." + n)
+        ]
+        for name, tensor, dim in items:
+            canonical = canonical_name(prefix + name, layer_numbers, expert_offset)
+            yield LocalTensor(
+                name=canonical, tensor=tensor, partition_dim=dim, is_expert=".mlp.experts." in canonical
+            )

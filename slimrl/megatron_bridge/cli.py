@@ -1,0 +1,124 @@
+"""Command lines of the converters (also `slimrl convert hf-to-mcore|mcore-to-hf`).
+
+Started plainly, a conversion relaunches itself under torchrun with one process per rank of the
+layout; its ranks report a user error through a file so the caller prints exactly one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from slimrl.errors import SlimError
+
+_ERROR_FILE = "SLIMRL_ERROR_FILE"
+
+
+def _layout_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slimrl convert")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core torch_dist")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--out", required=True)
+    _layout_flags(to_mcore)
+    to_mcore.add_argument("--verify", action="store_true", help="compare HF and Megatron logits")
+    to_mcore.add_argument("--tolerance", type=float, default=None, help="max |logit diff| for --verify")
+    to_mcore.add_argument("--force", action="store_true", help="replace an existing --out")
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron-Core torch_dist -> HF safetensors")
+    to_hf.add_argument("--ckpt", required=True)
+    to_hf.add_argument("--out", required=True)
+    to_hf.add_argument("--hf-config-dir", required=True, help="HF dir with config.json and tokenizer")
+    _layout_flags(to_hf)
+    to_hf.add_argument("--max-shard-gb", type=float, default=2.0)
+    to_hf.add_argument("--force", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def _run_rank(args: argparse.Namespace) -> None:
+    from slimrl.megatron_bridge.convert import LayoutArgs, hf_to_megatron, megatron_to_hf
+
+    layout = LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    if args.direction == "hf-to-mcore":
+        hf_to_megatron(Path(args.hf_dir), Path(args.out), layout, args.verify, args.tolerance, args.force)
+    else:
+        max_bytes = int(args.max_shard_gb * 1024**3)
+        megatron_to_hf(
+            Path(args.ckpt), Path(args.out), Path(args.hf_config_dir), layout, args.force, max_bytes
+        )
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from slimrl.megatron_bridge.convert import LayoutArgs
+    from slimrl.orchestration.placement import free_port
+
+    world = LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp).world_size
+    with tempfile.TemporaryDirectory() as tmp:
+        error_file = Path(tmp) / "error"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={free_port()}", "-m", "slimrl.megatron_bridge.cli", *argv]  # fmt: skip
+        env = {
+            **os.environ,
+            _ERROR_FILE: str(error_file),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        if proc.returncode == 0:
+            return 0
+        if error_file.exists():
+            code, _, message = error_file.read_text().partition(" ")
+            print(f"slimrl: error: {message}", file=sys.stderr)
+            return int(code)
+        sys.stderr.write(proc.stderr[-4000:])
+        return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Import-time notices from dependencies (no apex, deprecated defaults) are not the user's concern.
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
+    if not inside:
+        from slimrl.megatron_bridge.convert import LayoutArgs
+
+        if LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp).world_size > 1:
+            return _launch(args, argv)
+        from slimrl.orchestration.placement import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        _run_rank(args)
+    except SlimError as exc:
+        error_file = os.environ.get(_ERROR_FILE)
+        if error_file:
+            try:  # the first rank to fail reports; the others' messages are the same or consequences
+                with open(error_file, "x") as handle:
+                    handle.write(f"{exc.exit_code} {exc}")
+            except FileExistsError:
+                pass
+        elif int(os.environ.get("RANK", 0)) == 0:
+            print(f"slimrl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

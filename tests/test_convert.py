@@ -1,0 +1,166 @@
+"""Conversion CLIs end to end: HF -> torch_dist (TP/EP/PP, self-launched) -> HF is bit-exact,
+`--verify` proves the logits, and bad input is one line with nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "slimrl.cli", "convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def round_trip(tmp_path: Path, hf: Path, *layout: str) -> tuple[str, Path]:
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    to = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), *layout, "--verify")
+    assert to.returncode == 0, to.stderr[-3000:]
+    home = convert("mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--hf-config-dir", str(hf))
+    assert home.returncode == 0, home.stderr[-3000:]
+    original, converted = hf_tensors(hf), hf_tensors(back)
+    assert set(converted) == set(original)
+    for name, tensor in original.items():
+        assert converted[name].dtype == tensor.dtype and torch.equal(converted[name], tensor), name
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(original)
+    assert (back / "tokenizer.json").is_file() and (back / "config.json").is_file()
+    return to.stdout, mcore
+
+
+CASES = [
+    ("qwen3_moe", {}, ["--tp", "2"]),
+    ("qwen3_moe", {}, ["--ep", "2"]),
+    ("qwen3_moe", {}, ["--pp", "2"]),
+    ("qwen3_moe", {"num_experts": 3}, ["--ep", "3"]),  # expert count not a power of two
+    ("qwen3_moe", {}, ["--tp", "2", "--ep", "2", "--etp", "1"]),
+    ("qwen3", {}, ["--tp", "2"]),
+    ("qwen2", {}, ["--pp", "2"]),  # tied embeddings across pipeline stages, QKV bias
+    ("llama", {}, ["--tp", "2"]),
+    ("deepseek_v3", {}, ["--ep", "2"]),  # MLA, shared experts, sigmoid router + bias, first-k dense
+    ("deepseek_v3", {"rope_interleave": False}, ["--tp", "2"]),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "layout"), CASES, ids=lambda v: str(v))
+def test_round_trip_is_bit_exact_and_verified(tmp_path, tiny_model, arch, overrides, layout):
+    stdout, mcore = round_trip(tmp_path, tiny_model(arch, **overrides), *layout)
+    line = next(line for line in stdout.splitlines() if line.startswith("verify:"))
+    max_diff = float(line.split("max |logit diff| ")[1].split(",")[0])
+    assert max_diff < 1e-5
+    assert (mcore / "metadata.json").is_file() and list(mcore.glob("*.distcp"))
+
+
+def test_checkpoint_reshards_into_another_layout(tmp_path, tiny_model):
+    hf = tiny_model("qwen3_moe")
+    assert (
+        convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "m"), "--tp", "2").returncode == 0
+    )
+    back = tmp_path / "back"
+    proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "m"), "--out", str(back), "--hf-config-dir", str(hf),
+                   "--ep", "2", "--pp", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    original, converted = hf_tensors(hf), hf_tensors(back)
+    assert all(torch.equal(converted[n], t) for n, t in original.items())
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tiny_model):
+    hf = tiny_model("qwen3_moe")
+    out = tmp_path / "out"
+
+    truncated = _copy(hf, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _one_line_error(
+        convert("hf-to-mcore", "--hf-dir", str(truncated), "--out", str(out)), "truncated safetensors"
+    )
+
+    missing = _copy(hf, tmp_path / "missing")
+    (missing / "model.safetensors").rename(missing / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+    _one_line_error(convert("hf-to-mcore", "--hf-dir", str(missing), "--out", str(out)), "is missing")
+
+    unsupported = _copy(hf, tmp_path / "unsupported")
+    cfg = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    _one_line_error(
+        convert("hf-to-mcore", "--hf-dir", str(unsupported), "--out", str(out)),
+        "unsupported model_type `gpt2`",
+    )
+
+    lying = _copy(hf, tmp_path / "lying")
+    (lying / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+    _one_line_error(convert("hf-to-mcore", "--hf-dir", str(lying), "--out", str(out)), "shape mismatch")
+
+    # Llama with attention_bias has an o_proj bias Megatron cannot hold without biasing every linear.
+    biased = tiny_model("llama", attention_bias=True)
+    _one_line_error(
+        convert("hf-to-mcore", "--hf-dir", str(biased), "--out", str(out)), "self_attn.o_proj.bias"
+    )
+
+    _one_line_error(
+        convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--verify", "--tolerance", "1e-12"),
+        "verify failed",
+    )
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary leftovers
+
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    _one_line_error(convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(out)), "output exists")
+    assert (out / "keep").read_text() == "mine"
+
+
+def test_megatron_to_hf_refuses_a_different_hf_config(tmp_path, tiny_model):
+    hf = tiny_model("qwen3_moe")
+    assert convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "m")).returncode == 0
+    other = _copy(hf, tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_theta": 1000000.0}
+    (other / "config.json").write_text(json.dumps(cfg))
+    proc = convert(
+        "mcore-to-hf",
+        "--ckpt",
+        str(tmp_path / "m"),
+        "--out",
+        str(tmp_path / "hf"),
+        "--hf-config-dir",
+        str(other),
+    )
+    _one_line_error(proc, "`rope_theta`")
+    assert not (tmp_path / "hf").exists()

@@ -103,9 +103,9 @@ def test_canonical_names_cover_stage_offsets_experts_and_te_aliases():
         == "decoder.layers.6.mlp.experts.local_experts.5.linear_fc1.weight"
     )
     te = {
-        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.6.input_layernorm.weight",
-        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": "decoder.layers.6.pre_mlp_layernorm.weight",
-        "decoder.layers.1.mlp.experts.linear_fc2.weight3": "decoder.layers.7.mlp.experts.local_experts.11.linear_fc2.weight",
+        "0.self_attention.linear_qkv.layer_norm_weight": "6.input_layernorm.weight",
+        "0.mlp.linear_fc1.layer_norm_weight": "6.pre_mlp_layernorm.weight",
+        "1.mlp.experts.linear_fc2.weight3": "7.mlp.experts.local_experts.11.linear_fc2.weight",
     }
     for te_name, canonical in te.items():
-        assert canonical_name(te_name, layers, 8) == canonical
+        assert canonical_name("decoder.layers." + te_name, layers, 8) == "decoder.layers." + canonical

@@ -80,8 +80,20 @@ def test_checkpoint_reshards_into_another_layout(tmp_path, tiny_model):
         convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "m"), "--tp", "2").returncode == 0
     )
     back = tmp_path / "back"
-    proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "m"), "--out", str(back), "--hf-config-dir", str(hf),
-                   "--ep", "2", "--pp", "2")  # fmt: skip
+    ckpt = str(tmp_path / "m")
+    proc = convert(
+        "mcore-to-hf",
+        "--ckpt",
+        ckpt,
+        "--out",
+        str(back),
+        "--hf-config-dir",
+        str(hf),
+        "--ep",
+        "2",
+        "--pp",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     original, converted = hf_tensors(hf), hf_tensors(back)
     assert all(torch.equal(converted[n], t) for n, t in original.items())

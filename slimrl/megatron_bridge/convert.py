@@ -50,7 +50,7 @@ class LayoutArgs:
 # ------------------------------------------------------------------------------ launching
 def run_distributed(script: Path, argv: list[str], world_size: int) -> int | None:
     """Relaunch under torchrun unless already inside a distributed job; None means: go on here."""
-    if "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ:
+    if "WORLD_SIZE" in os.environ or ("SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ):
         joined = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
         if joined != world_size:
             raise BridgeError(f"launched with {joined} processes but the layout needs {world_size}")
@@ -148,7 +148,8 @@ def check_weights_match_config(reader: HFCheckpointReader, arch: ModelArch, hf_d
         experts = {int(n.split(".")[5]) for n in names if ".mlp.experts." in n}
         if experts != set(range(arch.num_experts or 0)):
             raise BridgeError(
-                f"{config}: num_experts={arch.num_experts} but the weights have {len(experts)} experts per layer"
+                f"{config}: num_experts={arch.num_experts} but the weights have {len(experts)} experts "
+                f"per layer"
             )
 
 
@@ -259,7 +260,8 @@ def _enforce_tolerance(result: VerifyResult, tolerance: float) -> None:
         )
     if result.max_logit_diff > tolerance:
         raise BridgeError(
-            f"verify failed: max |logit diff| {result.max_logit_diff:.3e} exceeds the tolerance {tolerance:.1e}; "
+            f"verify failed: max |logit diff| {result.max_logit_diff:.3e} exceeds the tolerance "
+            f"{tolerance:.1e}; "
             f"the conversion does not reproduce the HF model"
         )
 

@@ -21,7 +21,6 @@ def train(tmp_path, tiny_model, nproc: int, *overrides: str, arch: str = "qwen3_
     model = tiny_model(arch, num_hidden_layers=layers) if layers != 2 else tiny_model(arch)
     args = [
         f"model.hf_checkpoint={model}",
-        "model.init_from_hf=false",
         f"cluster.gpus_per_node={nproc}",
         f"train.num_steps={STEPS}",
         "train.micro_batch_size=2",
@@ -76,11 +75,12 @@ def test_tp2_sequence_parallel_equals_one_rank(tmp_path, tiny_model, single):
     assert_falls(results)
 
 
-def test_pp2_one_f_one_b_with_several_microbatches(tmp_path, tiny_model):
+def test_pp2_one_f_one_b_with_several_microbatches(tmp_path, tiny_model, single):
     # 8 sequences, DP 1, micro-batch 2: four micro-batches through the 1F1B schedule.
     results = train(tmp_path, tiny_model, 2, "parallel.pp=2")
     assert [r["coords"]["pp"] for r in results] == [0, 1]
     assert "loss" not in results[0]["metrics"][0]  # only the last stage computes the loss
+    assert losses(results) == pytest.approx(losses(single), abs=1e-5)
     assert_falls(results)
 
 
@@ -94,8 +94,9 @@ def test_pp2_virtual_stages_and_uneven_stages(tmp_path, tiny_model):
     assert (len(first_stage_layers), len(last_stage_layers)) == (1, 3)
 
 
-def test_ep2_and_tp2_ep2_agree(tmp_path, tiny_model):
+def test_ep2_and_tp2_ep2_agree(tmp_path, tiny_model, single):
     ep2 = train(tmp_path, tiny_model, 2, "parallel.ep=2")
+    assert losses(ep2) == pytest.approx(losses(single), abs=1e-5)
     assert [r["coords"]["ep"] for r in ep2] == [0, 1]
     experts_on = [{k for k in r["digests"] if "local_experts" in k} for r in ep2]
     assert all(len(e) == 2 * 2 * 2 for e in experts_on)  # 2 of 4 experts x 2 layers x 2 weights

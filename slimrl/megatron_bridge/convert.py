@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -84,13 +85,16 @@ def _init(arch: ModelArch, layout_args: LayoutArgs):
     return layout
 
 
-def _build(arch: ModelArch, layout, dtype: torch.dtype) -> list[Any]:
+def _build(arch: ModelArch, layout, dtype: torch.dtype, meta: bool = False) -> list[Any]:
+    """The layout's model chunks; on the meta device when tensors will be streamed instead."""
+    import contextlib
+
     from slimrl.megatron_bridge.megatron_config import BuildOptions
     from slimrl.trainer.distributed import use_cuda
     from slimrl.trainer.model import build_gpt_chunks
 
     options = BuildOptions(use_te=use_cuda(), params_dtype=dtype, init_weights=False)
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         chunks = build_gpt_chunks(arch, layout, options, max_seq_len=arch.max_position_embeddings)
     for chunk in chunks:
         chunk.eval()
@@ -223,8 +227,7 @@ def hf_to_megatron(
     force: bool = False,
 ) -> VerifyResult | None:  # fmt: skip
     """All ranks: read the HF checkpoint into the layout's shards, save as torch_dist."""
-    from slimrl.megatron_bridge.dist_ckpt import publish, save_model, shared_tmp_dir
-    from slimrl.megatron_bridge.loading import load_hf_into_megatron
+    from slimrl.megatron_bridge.dist_ckpt import publish, shared_tmp_dir
 
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out, force)
@@ -234,21 +237,73 @@ def hf_to_megatron(
     check_weights_match_config(reader, arch, hf_dir)
     dtype = checkpoint_dtype(cfg, reader)
     layout = _init(arch, layout_args)
-    chunks = _build(arch, layout, dtype)
-    with _progress(sum(reader.nbytes(n) for n in reader.names), "hf -> torch_dist") as bar:
-        load_hf_into_megatron(chunks, arch, layout, str(hf_dir), progress=bar.update)
-    result = None
-    if verify:
-        result = verify_against_hf(chunks, arch, hf_dir, dtype)
-        _enforce_tolerance(result, tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype])
+    start = time.perf_counter()
     tmp = shared_tmp_dir(out)
     try:
-        save_model(chunks, tmp, cfg, layout)
+        result = _write_torch_dist(hf_dir, tmp, cfg, arch, layout, reader, dtype, verify, tolerance)
         publish(tmp, out, overwrite=force)
     finally:
         if _rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _report("hf -> torch_dist", reader.total_bytes(), time.perf_counter() - start)
     return result
+
+
+def _report(direction: str, nbytes: int, seconds: float) -> None:
+    if _rank() == 0:
+        print(
+            f"{direction}: {nbytes / 1e9:.3f} GB in {seconds:.2f} s ({nbytes / 1e9 / seconds:.3f} GB/s)",
+            flush=True,
+        )
+
+
+def _write_torch_dist(
+    hf_dir: Path, tmp: Path, cfg: dict[str, Any], arch: ModelArch, layout, reader: HFCheckpointReader,
+    dtype: torch.dtype, verify: bool, tolerance: float | None,
+) -> VerifyResult | None:  # fmt: skip
+    from slimrl.megatron_bridge.dist_ckpt import save_model, save_model_streaming
+    from slimrl.megatron_bridge.loading import (
+        ShardContext,
+        check_everything_consumed,
+        hf_shard,
+        load_hf_into_megatron,
+        rules_for,
+    )
+
+    total = sum(reader.nbytes(n) for n in reader.names)
+    if verify:  # the forward pass needs the real model
+        chunks = _build(arch, layout, dtype)
+        with _progress(total, "hf -> torch_dist") as bar:
+            load_hf_into_megatron(chunks, arch, layout, str(hf_dir), progress=bar.update)
+        result = verify_against_hf(chunks, arch, hf_dir, dtype)
+        _enforce_tolerance(result, tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype])
+        save_model(chunks, tmp, cfg, layout)
+        return result
+    # Stream: the model exists only on the meta device; each shard is built as the writer needs it.
+    chunks = _build(arch, layout, dtype, meta=True)
+    rules, ctx = rules_for(arch), ShardContext(arch, layout)
+    consumed: set[str] = set()
+    with _progress(total, "hf -> torch_dist") as bar:
+        failures: list[BridgeError] = []
+
+        def produce(local):
+            try:
+                piece, names = hf_shard(local, rules, reader, arch, ctx)
+            except BridgeError as exc:
+                failures.append(exc)
+                raise
+            consumed.update(names)
+            bar.update(sum(reader.nbytes(n) for n in names))
+            return piece
+
+        try:
+            save_model_streaming(chunks, tmp, cfg, layout, produce, ctx.expert_offset)
+        except BaseException:  # torch's CheckpointException derives from BaseException
+            if failures:  # the checkpoint writer wraps our error; report it as it was raised
+                raise failures[0] from None
+            raise
+    check_everything_consumed(consumed, set(reader.names), str(hf_dir))
+    return None
 
 
 def _enforce_tolerance(result: VerifyResult, tolerance: float) -> None:
@@ -273,7 +328,12 @@ def megatron_to_hf(
     """All ranks: load torch_dist into the layout's shards, stream HF tensors into shard files."""
     import torch.distributed as dist
 
-    from slimrl.megatron_bridge.dist_ckpt import load_model, publish, read_model_meta, shared_tmp_dir
+    from slimrl.megatron_bridge.dist_ckpt import (
+        load_model,
+        publish,
+        read_model_meta,
+        shared_tmp_dir,
+    )
     from slimrl.megatron_bridge.export import iter_hf_tensors
     from slimrl.megatron_bridge.hf_io import ShardWriter, finalize_index
 
@@ -285,6 +345,8 @@ def megatron_to_hf(
     arch = arch_from_hf_config(target_cfg, str(hf_config_dir / "config.json"))
     dtype = _CHECKPOINT_DTYPES.get(target_cfg.get("dtype") or target_cfg.get("torch_dtype"), torch.float32)
     layout = _init(arch, layout_args)
+    start = time.perf_counter()
+    # Each rank holds its shards of the model (one collective load), then streams HF tensors out.
     chunks = _build(arch, layout, dtype)
     load_model(chunks, ckpt)
     tmp = shared_tmp_dir(out)
@@ -302,9 +364,11 @@ def megatron_to_hf(
             finalize_index(tmp, files, sum(part[1] for part in gathered))
             _copy_config_and_tokenizer(hf_config_dir, tmp)
         publish(tmp, out, overwrite=force)
+        total = sum(part[1] for part in gathered)
     finally:
         if _rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _report("torch_dist -> hf", total, time.perf_counter() - start)
 
 
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")

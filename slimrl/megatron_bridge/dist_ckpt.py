@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.naming import LocalTensor
 from slimrl.trainer.parallel import ParallelLayout
 
 MODEL_META = "slimrl_model.json"
@@ -68,12 +70,40 @@ def publish(tmp: Path, final: Path, overwrite: bool) -> None:
     dist.barrier()
 
 
+def sync_save_strategy() -> Any:
+    """Megatron's torch_dist format, written synchronously by torch's own DCP writer.
+
+    Megatron's default writer stages every tensor into worker processes through pipes (made for
+    asynchronous GPU saves); on a host it copies the whole model twice and takes ~2x longer.
+    """
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1, sync_files=False)
+            planner = MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+            )
+            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
 def save_model(chunks: list[Any], out_dir: Path, hf_config: dict[str, Any], layout: ParallelLayout) -> None:
     """Write the chunks as one torch_dist checkpoint directly into `out_dir` (all ranks call)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(sharded_model_state(chunks), str(out_dir))
+    dist_checkpointing.save(sharded_model_state(chunks), str(out_dir), sharded_strategy=sync_save_strategy())
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
@@ -100,3 +130,71 @@ def load_model(chunks: list[Any], ckpt_dir: Path) -> None:
         raise BridgeError(f"{ckpt_dir}: cannot load torch_dist checkpoint: {first}") from exc
     for i, module in enumerate(modules):
         module.load_state_dict(loaded[_state_key(i, len(modules))], strict=True)
+
+
+# ------------------------------------------------------------------------------ streaming
+def _storage_key(tensor: Any) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def save_model_streaming(
+    meta_chunks: list[Any],
+    out_dir: Path,
+    hf_config: dict[str, Any],
+    layout: ParallelLayout,
+    produce: Callable[[LocalTensor], Any],
+    expert_offset: int,
+) -> None:
+    """Save a checkpoint of a model that only exists on the meta device: each tensor is produced
+    (`produce(local) -> this rank's shard`) when the writer reaches it and dropped once written,
+    so memory holds about one tensor instead of the model."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    from slimrl.megatron_bridge.naming import local_tensors
+
+    owners = {
+        _storage_key(lt.tensor): lt for chunk in meta_chunks for lt in local_tensors(chunk, expert_offset)
+    }
+    recent: dict[int, Any] = {}  # the last tensors produced (a GLU weight is written as two views)
+
+    class LazyPlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            obj = self.lookup_object(write_item.index)
+            if getattr(obj, "is_meta", False):
+                key = _storage_key(obj)
+                if key not in recent:
+                    while len(recent) >= 2:
+                        recent.pop(next(iter(recent)))
+                    recent[key] = produce(owners[key])
+                owner = owners[key]
+                offset = obj.storage_offset() - owner.tensor.storage_offset()
+                real = recent[key]  # may itself be a view: as_strided offsets are absolute
+                obj = real.as_strided(obj.size(), obj.stride(), real.storage_offset() + offset)
+            return self.transform_object(write_item, obj)
+
+    class StreamingSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            # One file per tensor: torch's writer keeps every tensor of a file alive until it closes.
+            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False, sync_files=False)
+            planner = LazyPlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+            )
+            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+
+    dist_checkpointing.save(
+        sharded_model_state(meta_chunks), str(out_dir), sharded_strategy=StreamingSave("torch_dist", 1)
+    )
+    if dist.get_rank() == 0:
+        meta = {"hf_config": hf_config, "layout": asdict(layout)}
+        (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")

@@ -9,7 +9,7 @@ parallel rank) holding it; other ranks take part in the gathers and yield nothin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,18 +24,18 @@ from slimrl.trainer.parallel import ParallelLayout
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def _gather(local: LocalTensor, ctx: ShardContext) -> list[torch.Tensor]:
+def _gather(local: LocalTensor, tensor: torch.Tensor, ctx: ShardContext) -> list[torch.Tensor]:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     _, size = ctx.group(local)
     if local.partition_dim is None or size == 1:
-        return [local.tensor.detach()]
+        return [tensor.detach()]
     group = (
         mpu.get_expert_tensor_parallel_group() if local.is_expert else mpu.get_tensor_model_parallel_group()
     )
-    shards = [torch.empty_like(local.tensor) for _ in range(size)]
-    dist.all_gather(shards, local.tensor.detach().contiguous(), group=group)
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=group)
     return shards
 
 
@@ -48,13 +48,19 @@ def _replica_zero(is_expert: bool) -> bool:
     return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
+TensorSource = Callable[[int, LocalTensor], torch.Tensor]
+
+
 def iter_hf_tensors(
-    chunks: list[Any], arch: ModelArch, layout: ParallelLayout
+    chunks: list[Any], arch: ModelArch, layout: ParallelLayout, source: TensorSource | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF tensors owned by this rank, in model order."""
+    """Full HF tensors owned by this rank, in model order.
+
+    `source(chunk_index, local)` supplies a tensor's values when the chunks live on the meta device
+    (the converter streams them from a checkpoint); by default the chunks' own tensors are used."""
     rules = rules_for(arch)
     ctx = ShardContext(arch, layout)
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         for local in local_tensors(chunk, ctx.expert_offset):
             match = rules.match(local.name)
             if match is None:
@@ -64,7 +70,8 @@ def iter_hf_tensors(
             rule, hf_names = match
             if not rule.export or not _replica_zero(local.is_expert):
                 continue  # a whole TP/ETP group shares the replica index: all skip together
-            shards = _gather(local, ctx)
+            tensor = local.tensor if source is None else source(index, local)
+            shards = _gather(local, tensor, ctx)
             rank, _ = ctx.group(local)
             if rank != 0:
                 continue

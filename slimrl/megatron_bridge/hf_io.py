@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from slimrl.errors import SlimError
 
@@ -121,8 +120,55 @@ class HFCheckpointReader:
         return sum((self.dir / f).stat().st_size for f in set(self.location.values()))
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+_HEADER_RESERVE = 1 << 20  # bytes kept for the JSON header: room for ~5,000 tensor entries
+
+
+class _StreamingSafetensors:
+    """One safetensors file written tensor by tensor: the data goes straight to disk after a
+    reserved header area, and the header (padded with spaces, as the format allows) is written
+    last. Memory holds one tensor, not one shard."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle = path.open("wb")
+        self.handle.seek(8 + _HEADER_RESERVE)
+        self.entries: dict[str, dict[str, object]] = {}
+        self.offset = 0
+        self.header_bytes = 64
+
+    def fits(self, name: str, nbytes: int, max_bytes: int) -> bool:
+        room = self.header_bytes + len(name) + 120 <= _HEADER_RESERVE
+        return room and (not self.entries or self.offset + nbytes <= max_bytes)
+
+    def add(self, name: str, tensor: torch.Tensor) -> int:
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self.handle.write(memoryview(data))
+        size = data.nbytes
+        entry = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape)}
+        entry["data_offsets"] = [self.offset, self.offset + size]
+        self.entries[name] = entry
+        self.offset += size
+        self.header_bytes += len(json.dumps({name: entry})) + 1
+        return size
+
+    def close(self) -> None:
+        entries = {"__metadata__": {"format": "pt"}, **self.entries}
+        header = json.dumps(entries, separators=(",", ":")).encode()
+        if len(header) > _HEADER_RESERVE:
+            raise BridgeError(f"{self.path}: safetensors header overflow ({len(header)} bytes)")
+        self.handle.seek(0)
+        self.handle.write(struct.pack("<Q", _HEADER_RESERVE))
+        self.handle.write(header.ljust(_HEADER_RESERVE, b" "))
+        self.handle.close()
+
+
 class ShardWriter:
-    """Writes (name, tensor) pairs into shard files of at most `max_shard_bytes` each.
+    """Writes (name, tensor) pairs into shard files of at most `max_shard_bytes` each, streaming.
 
     Files are written under a rank-specific provisional name; `finalize_index` (on one rank)
     renames them to the HF convention once the total is known and writes the index.
@@ -130,26 +176,25 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, rank: int = 0, max_shard_bytes: int = 2 * 1024**3) -> None:
         self.out_dir, self.rank, self.max_bytes = Path(out_dir), rank, max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._current: _StreamingSafetensors | None = None
         self.files: list[tuple[str, list[str]]] = []
         self.bytes_written = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_bytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current is not None and not self._current.fits(name, nbytes, self.max_bytes):
             self.flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
-        self._pending_bytes += size
+        if self._current is None:
+            file = f"part-r{self.rank:05d}-{len(self.files):05d}.safetensors"
+            self._current = _StreamingSafetensors(self.out_dir / file)
+        self.bytes_written += self._current.add(name, tensor)
 
     def flush(self) -> None:
-        if not self._pending:
+        if self._current is None:
             return
-        file = f"part-r{self.rank:05d}-{len(self.files):05d}.safetensors"
-        save_file(self._pending, str(self.out_dir / file), metadata={"format": "pt"})
-        self.files.append((file, list(self._pending)))
-        self.bytes_written += self._pending_bytes
-        self._pending, self._pending_bytes = {}, 0
+        self._current.close()
+        self.files.append((self._current.path.name, list(self._current.entries)))
+        self._current = None
 
 
 def finalize_index(out_dir: Path, files: list[tuple[str, list[str]]], total_bytes: int) -> None:

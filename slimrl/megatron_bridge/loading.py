@@ -63,13 +63,14 @@ def load_hf_into_megatron(
                 if progress is not None:
                     progress(sum(reader.nbytes(n) for n in names))
     if check_complete:
-        _check_everything_consumed(consumed, set(reader.names), hf_dir)
+        check_everything_consumed(consumed, set(reader.names), hf_dir)
     return consumed
 
 
-def _load_one(
+def hf_shard(
     local: LocalTensor, rules: RuleSet, reader: HFCheckpointReader, arch: ModelArch, ctx: ShardContext
-) -> list[str]:
+) -> tuple[torch.Tensor, list[str]]:
+    """This rank's shard of one Megatron tensor, built from the HF tensors it is made of."""
     match = rules.match(local.name)
     if match is None:
         raise BridgeError(f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})")
@@ -85,11 +86,18 @@ def _load_one(
             f"shape mismatch for `{local.name}`: Megatron shard {tuple(local.tensor.shape)} but the HF "
             f"tensors give {tuple(piece.shape)} ({shapes}); does config.json match the weights?"
         )
+    return piece.contiguous(), hf_names
+
+
+def _load_one(
+    local: LocalTensor, rules: RuleSet, reader: HFCheckpointReader, arch: ModelArch, ctx: ShardContext
+) -> list[str]:
+    piece, hf_names = hf_shard(local, rules, reader, arch, ctx)
     local.tensor.data.copy_(piece)
     return hf_names
 
 
-def _check_everything_consumed(consumed: set[str], available: set[str], hf_dir: str) -> None:
+def check_everything_consumed(consumed: set[str], available: set[str], hf_dir: str) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:

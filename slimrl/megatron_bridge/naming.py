@@ -38,6 +38,8 @@ STATE_BUFFERS = re.compile(r"(^|\.)expert_bias$")
 class LocalTensor:
     name: str
     """Canonical name."""
+    local_name: str
+    """Name inside the chunk's module (what `state_dict()` and `sharded_state_dict()` use)."""
     tensor: torch.Tensor
     partition_dim: int | None
     """Dimension split over (expert-)tensor-parallel ranks; None when replicated."""
@@ -86,5 +88,9 @@ def local_tensors(chunk: Any, expert_offset: int) -> Iterator[LocalTensor]:
         for name, tensor, dim in items:
             canonical = canonical_name(prefix + name, layer_numbers, expert_offset)
             yield LocalTensor(
-                name=canonical, tensor=tensor, partition_dim=dim, is_expert=".mlp.experts." in canonical
+                name=canonical,
+                local_name=prefix + name,
+                tensor=tensor,
+                partition_dim=dim,
+                is_expert=".mlp.experts." in canonical,
             )

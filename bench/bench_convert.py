@@ -1,0 +1,117 @@
+"""Conversion throughput vs. the hardware-limit proxy, measured in one run.
+
+Proxy: read every tensor of the HF checkpoint with safetensors and write it back out (same shards).
+Ours: `slimrl convert hf-to-mcore` then `mcore-to-hf` (one process, TP1), as a user runs them.
+Reports the conversion core (what the CLI times, after start-up) and the whole command, each as
+GB/s and as a ratio to the proxy, and the peak RSS of each command against the goal
+(half the checkpoint + 1 GB).
+
+    python bench/bench_convert.py [--size-gb 1.1] [--workdir /tmp/slimrl-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic_checkpoint import write_checkpoint
+
+
+def proxy(src: Path, dst: Path) -> float:
+    """Read each tensor and write it back, shard by shard; returns seconds."""
+    dst.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        save_file(tensors, str(dst / shard.name))
+        del tensors
+    return time.perf_counter() - start
+
+
+def run(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall seconds, core seconds reported by the CLI, peak RSS bytes of the command's processes)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    watched = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            family = [watched, *watched.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in family))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(stderr[-2000:])
+    core = float(re.search(r"GB in ([0-9.]+) s", stdout).group(1))
+    return wall, core, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size-gb", type=float, default=1.1)
+    parser.add_argument("--workdir", default="/tmp/slimrl-bench")
+    args = parser.parse_args()
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    hf = write_checkpoint(work / "hf", args.size_gb)
+    nbytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    gb = nbytes / 1e9
+
+    proxy_s = proxy(hf, work / "proxy")
+    cli = [sys.executable, "-m", "slimrl.cli", "convert"]
+    to_wall, to_core, to_rss = run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out", str(work / "mcore")])
+    back_wall, back_core, back_rss = run(
+        [
+            *cli,
+            "mcore-to-hf",
+            "--ckpt",
+            str(work / "mcore"),
+            "--out",
+            str(work / "back"),
+            "--hf-config-dir",
+            str(hf),
+        ]
+    )
+    proxy_again = proxy(hf, work / "proxy2")
+    proxy_best = min(proxy_s, proxy_again)
+    goal_rss = nbytes / 2 + 1024**3
+    rows = {
+        "checkpoint_gb": round(gb, 3),
+        "proxy_gb_per_s": round(gb / proxy_best, 3),
+        "hf_to_mcore": {
+            "core_gb_per_s": round(gb / to_core, 3),
+            "core_ratio_to_proxy": round(proxy_best / to_core, 3),
+            "cli_wall_s": round(to_wall, 2),
+            "cli_ratio_to_proxy": round(proxy_best / to_wall, 3),
+            "peak_rss_gb": round(to_rss / 1e9, 3),
+        },
+        "mcore_to_hf": {
+            "core_gb_per_s": round(gb / back_core, 3),
+            "core_ratio_to_proxy": round(proxy_best / back_core, 3),
+            "cli_wall_s": round(back_wall, 2),
+            "cli_ratio_to_proxy": round(proxy_best / back_wall, 3),
+            "peak_rss_gb": round(back_rss / 1e9, 3),
+        },
+        "rss_goal_gb": round(goal_rss / 1e9, 3),
+    }
+    print(json.dumps(rows, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,13 @@ def _train(args: argparse.Namespace) -> None:
     run_training(load_config(args.config, args.overrides))
 
 
+def _rollout(args: argparse.Namespace) -> None:
+    from slimrl.config import load_config
+    from slimrl.orchestration.rollout_only import run_rollout_only
+
+    run_rollout_only(load_config(args.config, args.overrides), args.num_rollouts)
+
+
 def _make_tiny(args: argparse.Namespace) -> None:
     from slimrl.data.tiny_models import make_tiny
 
@@ -49,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config, e.g. configs/tiny_moe_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
     train.set_defaults(handler=_train)
+
+    rollout = sub.add_parser("rollout", help="generation only: run rollouts and write the samples")
+    rollout.add_argument("config", help="YAML config")
+    rollout.add_argument("overrides", nargs="*", help="key=value overrides")
+    rollout.add_argument("--num-rollouts", type=int, default=1)
+    rollout.set_defaults(handler=_rollout)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
     tiny.add_argument(

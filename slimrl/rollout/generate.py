@@ -1,0 +1,89 @@
+"""The default `generate()`: one turn, prompt in, response tokens and their logprobs out.
+
+A custom generate (`rollout.custom_generate_function_path`) has the same signature:
+
+    async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample | list[Sample]
+
+It fills `tokens`, `response_length`, `loss_mask`, `rollout_log_probs` (one entry per response
+token) and `status`; the reward is computed after it returns. `ctx.client.generate(...)` returns
+SGLang's `/generate` response dict. `apply_response` does the bookkeeping for one engine turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slimrl.config.schema import SlimConfig
+from slimrl.data.sft import render_prompt
+from slimrl.rollout.client import FleetClient
+from slimrl.sample import Sample, Status
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class RolloutContext:
+    """What hooks get: the config, the HF tokenizer and the fleet client."""
+
+    config: SlimConfig
+    tokenizer: Any
+    client: FleetClient
+    rollout_id: int = 0
+
+
+def sampling_params_for(config: SlimConfig, evaluation: bool = False) -> dict[str, Any]:
+    sampling = config.eval.sampling if evaluation else config.rollout.sampling
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_new_tokens,
+        # Keep the stop token in output_ids: the trainer must see exactly what was sampled.
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    return params
+
+
+def apply_response(sample: Sample, response: dict[str, Any], loss_mask_value: int = 1) -> list[int]:
+    """Append one engine turn to the sample; returns the new token ids."""
+    meta = response.get("meta_info", {})
+    triples = meta.get("output_token_logprobs") or []
+    new_tokens = [int(t[1]) for t in triples] if triples else list(response.get("output_ids", []))
+    logprobs = [float(t[0]) for t in triples] if triples else [0.0] * len(new_tokens)
+    previous_mask = sample.effective_loss_mask()
+    sample.tokens = [*sample.tokens, *new_tokens]
+    sample.response_length += len(new_tokens)
+    sample.response += response.get("text", "")
+    sample.loss_mask = [*previous_mask, *([loss_mask_value] * len(new_tokens))]
+    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *logprobs]
+    sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "abort"), Status.ABORTED)
+    if meta.get("weight_version") is not None:
+        sample.weight_versions.append(str(meta["weight_version"]))
+    if meta.get("routed_experts") is not None:
+        sample.metadata["routed_experts_b64"] = meta["routed_experts"]
+    return new_tokens
+
+
+async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Single-turn generation; continues a partial sample (partial rollout) where it stopped."""
+    if not sample.tokens:
+        sample.tokens = render_prompt(ctx.tokenizer, sample.prompt, ctx.config.data.apply_chat_template)
+    params = dict(sampling_params)
+    params["max_new_tokens"] = max(0, params["max_new_tokens"] - sample.response_length)
+    if params["max_new_tokens"] == 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    response = await ctx.client.generate(
+        input_ids=sample.tokens,
+        sampling_params=params,
+        return_logprob=True,
+        rid=sample.metadata.get("rid"),
+    )
+    apply_response(sample, response)
+    return sample

@@ -19,10 +19,20 @@ from slimrl.config.schema import SlimConfig
 from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
 from slimrl.trainer import losses
-from slimrl.trainer.batch import MicroBatch, TrainBatch, collate, split_by_tokens, split_fixed
+from slimrl.trainer.batch import (
+    MicroBatch,
+    TrainBatch,
+    collate,
+    collate_packed,
+    pad_micro_batch_count,
+    split_by_tokens,
+    split_fixed,
+)
 from slimrl.trainer.distributed import RankInfo, init_distributed, use_cuda
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
+from slimrl.trainer.offload import Offloader
 from slimrl.trainer.parallel import ParallelLayout
+from slimrl.trainer.weight_store import WeightStore
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,8 @@ class MegatronActor:
         self.layout = ParallelLayout.resolve(config.parallel, train_world_size(config), self.arch)
         self.state: TrainState | None = None
         self.options: BuildOptions | None = None
+        self.weights: WeightStore | None = None
+        self.offloader: Offloader | None = None
         self.steps_done = 0
 
     # ---------------------------------------------------------------- set-up
@@ -49,6 +61,11 @@ class MegatronActor:
             load_hf_into_megatron(chunks, self.arch, self.layout, self.config.model.hf_checkpoint)
         num_frozen = freeze(chunks, self.config.train.frozen_params)
         self.state = build_train_state(self.config, chunks, options, total_steps)
+        self.weights = WeightStore(self.state.model)
+        algo = self.config.algorithm
+        if algo.loss == "policy" and (algo.kl_loss_coef > 0 or algo.kl_coef > 0):
+            self.weights.save("ref")  # the initial policy, kept in host memory
+        self.offloader = Offloader(self.state.model, self.state.optimizer)
         num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         return {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
 
@@ -58,23 +75,52 @@ class MegatronActor:
         assert self.state is not None, "setup() first"
         return self.state.model
 
-    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+    def _packing(self) -> bool:
+        """Pack sequences into one row (block-diagonal mask) on the local attention path; TE's fused
+        attention needs THD packed-sequence params instead, so GPU runs pad minimally."""
+        assert self.options is not None
+        return not self.options.use_te and not uniform_shapes(self.layout, self.options)
+
+    def _micro_batches(self, batch: TrainBatch, max_tokens: int | None = None) -> list[MicroBatch]:
+        """Cut this rank's batch into micro-batches; every DP rank ends up with the same count."""
         train = self.config.train
-        if train.max_tokens_per_gpu:
-            parts = split_by_tokens(batch, train.max_tokens_per_gpu)
+        budget = max_tokens or train.max_tokens_per_gpu
+        pack = False
+        if self.config.algorithm.true_on_policy:
+            # One sequence per micro-batch, unpadded: the exact shapes the engine rescored with.
+            parts = split_fixed(batch, 1)
+        elif budget:
+            pack = self._packing()
+            parts = split_by_tokens(batch, budget, packed=pack)
         else:
             parts = split_fixed(batch, train.micro_batch_size)
+        parts = pad_micro_batch_count(parts, self._max_over_dp(len(parts)))
         # Sequence parallelism splits the sequence dimension over TP ranks.
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        if pack:
+            return [collate_packed(part, pad_to_multiple=multiple) for part in parts]
         same_length = max(len(t) for t in batch.tokens) if uniform_shapes(self.layout, self.options) else 0
         return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
 
-    def _forward_backward(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+    def _max_over_dp(self, value: int) -> int:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        tensor = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(
+            tensor, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group(with_context_parallel=True)
+        )
+        return int(tensor.item())
+
+    def _forward_backward(
+        self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool, with_labels: bool = True
+    ) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens_BS, mb.position_ids_BS, None, labels=mb.labels_BS)
+            labels = mb.labels_BS if with_labels else None
+            output = model(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in self._chunks]
@@ -141,6 +187,40 @@ class MegatronActor:
             metrics["loss"] = summed["loss_sum"] / max(summed["tokens"], 1.0)
             metrics["tokens"] = summed["tokens"]
         return metrics
+
+    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        """Logprob passes, advantages and `train.steps_per_rollout` policy updates."""
+        from slimrl.trainer import rl
+
+        self.steps_done += 1
+        return rl.train_rollout(self, batch)
+
+    def response_logprobs(self, batch: TrainBatch) -> dict[int, list[float]]:
+        """Per-sample response logprobs under the current weights (last pipeline stage only)."""
+        from slimrl.trainer import rl
+
+        return rl.response_logprobs(self, batch)["logprobs"]
+
+    # ---------------------------------------------------------------- memory
+    def offload(self) -> int:
+        """Give the device back to the rollout engines (colocated runs)."""
+        assert self.offloader is not None
+        return self.offloader.offload()
+
+    def onload(self) -> None:
+        assert self.offloader is not None
+        self.offloader.onload()
+
+    def state_digests(self) -> dict[str, str]:
+        """sha256 of parameters, gradient buffers and optimizer state: an offload/onload cycle
+        must leave every byte unchanged."""
+        from slimrl.trainer.offload import _bytes_of, _storages
+
+        assert self.state is not None
+        return {
+            str(i): hashlib.sha256(_bytes_of(s).numpy().tobytes()).hexdigest()
+            for i, s in enumerate(_storages(self.state.model, self.state.optimizer))
+        }
 
     # ---------------------------------------------------------------- inspection
     def coordinates(self) -> dict[str, int]:

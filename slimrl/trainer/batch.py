@@ -28,6 +28,12 @@ class TrainBatch:
     """Loss-masked tokens of the whole optimizer step over all DP ranks (the token-mean divisor)."""
     global_num_seqs: int = 0
     """Sequences of the whole optimizer step over all DP ranks (the seq-mean divisor)."""
+    ids: list[int] = field(default_factory=list)
+    """Position of each sequence in the batch it was selected from (filled by `select`)."""
+
+    def __post_init__(self) -> None:
+        if not self.ids:
+            self.ids = list(range(len(self.tokens)))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -40,6 +46,7 @@ class TrainBatch:
             per_token={k: [v[i] for i in indices] for k, v in self.per_token.items()},
             global_num_tokens=self.global_num_tokens,
             global_num_seqs=self.global_num_seqs,
+            ids=[self.ids[i] for i in indices],
         )
 
 
@@ -54,46 +61,105 @@ class MicroBatch:
     """1.0 where the label is any response token (trained or not)."""
     per_token_BS: dict[str, torch.Tensor]
     seq_index_BS: torch.Tensor
-    """Index of the sequence (within the micro-batch) each position belongs to, -1 for padding."""
-    num_seqs: int
+    """Index (within this micro-batch) of the sequence each position belongs to, -1 for padding."""
+    sample_ids: list[int]
+    """Rank-batch index of each sequence of the micro-batch."""
+    attention_mask: torch.Tensor | None = None
+    """Packed rows only: [1, 1, S, S] boolean, True where attention is forbidden."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.sample_ids)
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens_BS.numel())
 
+    @property
+    def real_tokens(self) -> int:
+        return int((self.seq_index_BS >= 0).sum())
+
+    def per_sequence(self, values_BS: torch.Tensor) -> dict[int, list[float]]:
+        """Response-token values of each sequence, keyed by its rank-batch index."""
+        out: dict[int, list[float]] = {}
+        flat_values = values_BS.detach().reshape(-1).tolist()
+        flat_seq = self.seq_index_BS.reshape(-1).tolist()
+        flat_resp = self.response_mask_BS.reshape(-1).tolist()
+        for value, seq, resp in zip(flat_values, flat_seq, flat_resp, strict=True):
+            if seq >= 0 and resp > 0:
+                out.setdefault(self.sample_ids[seq], []).append(value)
+        return out
+
+
+def _fill_row(batch: TrainBatch, j: int, offset: int, row: int, t: dict[str, torch.Tensor]) -> None:
+    """Write sequence j of the batch into row `row` starting at column `offset`."""
+    seq = batch.tokens[j]
+    n, r = len(seq), batch.response_lengths[j]
+    t["tokens"][row, offset : offset + n] = torch.tensor(seq)
+    t["labels"][row, offset : offset + n - 1] = torch.tensor(seq[1:])
+    t["seq_index"][row, offset : offset + n] = j
+    t["positions"][row, offset : offset + n] = torch.arange(n)
+    start = offset + n - r - 1  # logits at position `start` predict the first response token
+    t["loss_mask"][row, start : start + r] = torch.tensor(batch.loss_masks[j], dtype=torch.float32)
+    t["response_mask"][row, start : start + r] = 1.0
+    for key, values in batch.per_token.items():
+        t[key][row, start : start + r] = torch.tensor(values[j], dtype=torch.float32)
+
+
+def _empty(rows: int, length: int, keys: list[str], pad_id: int) -> dict[str, torch.Tensor]:
+    t = {
+        "tokens": torch.full((rows, length), pad_id, dtype=torch.long),
+        "labels": torch.full((rows, length), pad_id, dtype=torch.long),
+        "seq_index": torch.full((rows, length), -1, dtype=torch.long),
+        "positions": torch.zeros((rows, length), dtype=torch.long),
+        "loss_mask": torch.zeros((rows, length), dtype=torch.float32),
+        "response_mask": torch.zeros((rows, length), dtype=torch.float32),
+    }
+    t.update({k: torch.zeros((rows, length), dtype=torch.float32) for k in keys})
+    return t
+
+
+def _micro_batch(batch: TrainBatch, t: dict[str, torch.Tensor], mask: torch.Tensor | None) -> MicroBatch:
+    return MicroBatch(
+        tokens_BS=t["tokens"],
+        position_ids_BS=t["positions"],
+        labels_BS=t["labels"],
+        loss_mask_BS=t["loss_mask"],
+        response_mask_BS=t["response_mask"],
+        per_token_BS={k: t[k] for k in batch.per_token},
+        seq_index_BS=t["seq_index"],
+        sample_ids=list(batch.ids),
+        attention_mask=mask,
+    )
+
 
 def collate(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> MicroBatch:
-    """Right-pad sequences to a common length; padding never reaches a real token's attention."""
+    """One sequence per row, right-padded: padding never reaches a real token's attention."""
     longest = max(max(len(t) for t in batch.tokens), min_length)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
-    size = len(batch.tokens)
-    tokens = torch.full((size, length), pad_id, dtype=torch.long)
-    labels = torch.full((size, length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((size, length), dtype=torch.float32)
-    response_mask = torch.zeros((size, length), dtype=torch.float32)
-    seq_index = torch.full((size, length), -1, dtype=torch.long)
-    per_token = {k: torch.zeros((size, length), dtype=torch.float32) for k in batch.per_token}
-    for row, seq in enumerate(batch.tokens):
-        n, r = len(seq), batch.response_lengths[row]
-        tokens[row, :n] = torch.tensor(seq)
-        labels[row, : n - 1] = tokens[row, 1:n]
-        seq_index[row, :n] = row
-        start = n - r - 1  # logits at position start predict the first response token
-        loss_mask[row, start : start + r] = torch.tensor(batch.loss_masks[row], dtype=torch.float32)
-        response_mask[row, start : start + r] = 1.0
-        for key, values in batch.per_token.items():
-            per_token[key][row, start : start + r] = torch.tensor(values[row], dtype=torch.float32)
-    positions = torch.arange(length).unsqueeze(0).expand(size, length).contiguous()
-    return MicroBatch(
-        tokens_BS=tokens,
-        position_ids_BS=positions,
-        labels_BS=labels,
-        loss_mask_BS=loss_mask,
-        response_mask_BS=response_mask,
-        per_token_BS=per_token,
-        seq_index_BS=seq_index,
-        num_seqs=size,
-    )
+    t = _empty(len(batch), length, list(batch.per_token), pad_id)
+    for row in range(len(batch)):
+        _fill_row(batch, row, 0, row, t)
+    return _micro_batch(batch, t, None)
+
+
+def collate_packed(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1) -> MicroBatch:
+    """All sequences in one row, no padding between them, and a block-diagonal causal mask so
+    each attends only to itself. RoPE is relative, so a sequence's logits do not depend on where
+    in the row it starts."""
+    total = sum(len(t) for t in batch.tokens)
+    length = -(-total // pad_to_multiple) * pad_to_multiple
+    t = _empty(1, length, list(batch.per_token), pad_id)
+    offset = 0
+    for j in range(len(batch)):
+        _fill_row(batch, j, offset, 0, t)
+        offset += len(batch.tokens[j])
+    segment = t["seq_index"][0]
+    same = segment.unsqueeze(0) == segment.unsqueeze(1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = same & causal & (segment >= 0).unsqueeze(1)
+    allowed |= torch.eye(length, dtype=torch.bool)  # padding rows attend to themselves (no NaN)
+    return _micro_batch(batch, t, (~allowed).view(1, 1, length, length))
 
 
 def split_fixed(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
@@ -101,8 +167,9 @@ def split_fixed(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     return [batch.select(order[i : i + micro_batch_size]) for i in range(0, len(batch), micro_batch_size)]
 
 
-def split_by_tokens(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
-    """First-fit decreasing: fewest micro-batches whose padded size stays within the budget."""
+def split_by_tokens(batch: TrainBatch, max_tokens: int, packed: bool = False) -> list[TrainBatch]:
+    """First-fit decreasing: the fewest micro-batches whose processed tokens stay within the
+    budget (the sum of lengths when packed, longest x count when padded)."""
     lengths = [len(t) for t in batch.tokens]
     for i, n in enumerate(lengths):
         if n > max_tokens:
@@ -110,12 +177,34 @@ def split_by_tokens(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
                 f"train.max_tokens_per_gpu={max_tokens}: sequence {i} has {n} tokens on its own; "
                 f"raise the budget to at least {n} (or lower rollout.sampling.max_new_tokens)"
             )
+
+    def cost(members: list[int]) -> int:
+        return sum(lengths[m] for m in members) if packed else max(lengths[m] for m in members) * len(members)
+
     bins: list[list[int]] = []
     for i in sorted(range(len(batch)), key=lambda k: -lengths[k]):
         for members in bins:
-            if max(lengths[m] for m in [*members, i]) * (len(members) + 1) <= max_tokens:
+            if cost([*members, i]) <= max_tokens:
                 members.append(i)
                 break
         else:
             bins.append([i])
     return [batch.select(members) for members in bins]
+
+
+def pad_micro_batch_count(parts: list[TrainBatch], count: int) -> list[TrainBatch]:
+    """Append loss-free copies of the shortest part until there are `count` parts: every rank of an
+    expert-parallel group must run the same number of micro-batches (their all-to-alls pair up)."""
+    if len(parts) >= count:
+        return parts
+    shortest = min(parts, key=lambda p: sum(len(t) for t in p.tokens)).select([0])
+    filler = TrainBatch(
+        tokens=shortest.tokens,
+        response_lengths=shortest.response_lengths,
+        loss_masks=[[0] * len(m) for m in shortest.loss_masks],
+        per_token={k: [[0.0] * len(v[0])] for k, v in shortest.per_token.items()},
+        global_num_tokens=shortest.global_num_tokens,
+        global_num_seqs=shortest.global_num_seqs,
+        ids=[-1],
+    )
+    return parts + [filler] * (count - len(parts))

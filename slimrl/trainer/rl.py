@@ -1,0 +1,258 @@
+"""One rollout's worth of RL training on a Megatron rank: logprob passes, advantages, policy updates.
+
+Order per rollout batch: reference logprobs (weights swapped in from host memory) when a KL term
+needs them; old logprobs of the current policy (unless the rollout's are used); per-token
+advantages; then `train.steps_per_rollout` optimizer steps on equal slices of the batch. Values
+that only the last pipeline stage can compute (logprobs) live on that stage, which is also where
+every loss is computed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slimrl.trainer import algorithms as alg
+from slimrl.trainer.batch import MicroBatch, TrainBatch
+from slimrl.trainer.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from slimrl.trainer.actor import MegatronActor
+
+ROLLOUT_LOGP, OLD_LOGP, REF_LOGP, ADVANTAGES = "rollout_log_probs", "old_logp", "ref_logp", "advantages"
+
+
+def sampling_temperature(actor: MegatronActor) -> float:
+    """The rollout sampled from softmax(logits / T): score tokens under the same distribution."""
+    temperature = actor.config.rollout.sampling.temperature
+    return temperature if temperature > 0 else 1.0
+
+
+def _last_stage() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: bool = False) -> dict[str, Any]:
+    """Forward-only pass: per-sample response-token logprobs (and entropy) on the last stage."""
+    config = actor.config
+    captured: dict[int, list[float]] = {}
+    entropies: dict[int, list[float]] = {}
+
+    def capture(mb: MicroBatch, output: torch.Tensor):
+        logp, entropy = token_logprobs(
+            output,
+            mb.labels_BS,
+            true_vocab=actor.arch.vocab_size,
+            temperature=sampling_temperature(actor),
+            with_entropy=with_entropy,
+            chunk_tokens=config.train.logprob_chunk_tokens,
+        )
+        captured.update(mb.per_sequence(logp))
+        if entropy is not None:
+            entropies.update(mb.per_sequence(entropy))
+        return output.sum() * 0.0, {}
+
+    with torch.no_grad():
+        actor._forward_backward(actor._micro_batches(batch), capture, forward_only=True, with_labels=False)
+    captured.pop(-1, None)
+    entropies.pop(-1, None)
+    return {"logprobs": captured, "entropy": entropies}
+
+
+def _attach(batch: TrainBatch, key: str, per_sample: dict[int, list[float]]) -> None:
+    """Per-token values for every sequence (zeros where this rank has none: not the last stage)."""
+    batch.per_token[key] = [
+        per_sample.get(i, [0.0] * batch.response_lengths[k]) for k, i in enumerate(batch.ids)
+    ]
+
+
+def _dp_sum(actor: MegatronActor, values: dict[str, float]) -> dict[str, float]:
+    return actor._sum_over_dp(values) if values else {}
+
+
+def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """Logprob passes and advantages, before any optimizer step of this rollout."""
+    algo = actor.config.algorithm
+    metrics: dict[str, float] = {}
+    start = time.perf_counter()
+    needs_ref = algo.kl_loss_coef > 0 or algo.kl_coef > 0
+    if needs_ref:
+        with actor.weights.swapped_in("ref"):
+            _attach(batch, REF_LOGP, response_logprobs(actor, batch)["logprobs"])
+    if algo.use_rollout_logprobs:
+        batch.per_token[OLD_LOGP] = [list(v) for v in batch.per_token[ROLLOUT_LOGP]]
+    else:
+        _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
+    metrics["perf/logprob_seconds"] = time.perf_counter() - start
+    if algo.advantage_estimator in ("reinforce_plus_plus", "ppo"):
+        _token_level_advantages(actor, batch)
+    if _last_stage():
+        metrics.update(_mismatch(actor, batch))
+    return metrics
+
+
+def _padded(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(v) for v in values), default=1)
+    out = torch.zeros(len(values), width, dtype=torch.float64)
+    mask = torch.zeros(len(values), width, dtype=torch.float64)
+    for row, v in enumerate(values):
+        out[row, : len(v)] = torch.tensor(v, dtype=torch.float64)
+        mask[row, : len(v)] = 1.0
+    return out, mask
+
+
+def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """train/train_rollout_logprob_abs_diff and train/train_rollout_kl over trained tokens."""
+    if ROLLOUT_LOGP not in batch.per_token:
+        return {}
+    train_lp, _ = _padded(batch.per_token[OLD_LOGP])
+    rollout_lp, _ = _padded(batch.per_token[ROLLOUT_LOGP])
+    mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
+    sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
+    reduced = _dp_sum(actor, {k: float(v) for k, v in sums.items()})
+    return {
+        f"train/{k}": v
+        for k, v in alg.mismatch_metrics({k: torch.tensor(v) for k, v in reduced.items()}).items()
+    }
+
+
+def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
+    """REINFORCE++: discounted returns of (final reward - per-token KL penalty), whitened over the
+    whole batch (moments all-reduced over DP)."""
+    algo = actor.config.algorithm
+    if algo.advantage_estimator == "ppo":
+        from slimrl.errors import ConfigError
+
+        raise ConfigError("algorithm.advantage_estimator=ppo: the critic is not available in this build")
+    old, mask = _padded(batch.per_token[OLD_LOGP])
+    rewards = torch.zeros_like(old)
+    if algo.kl_coef > 0:
+        ref, _ = _padded(batch.per_token[REF_LOGP])
+        rewards -= algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator) * mask
+    lengths = mask.sum(-1).long()
+    scores = [s[0] if s else 0.0 for s in batch.per_token[ADVANTAGES]]  # driver put the sample score
+    for row, n in enumerate(lengths.tolist()):
+        if n:
+            rewards[row, n - 1] += scores[row]
+    returns = alg.reinforce_plus_plus_returns(rewards, mask, algo.gamma)
+    total, total_sq, count = alg.masked_moments(returns, mask)
+    summed = _dp_sum(actor, {"s": float(total), "sq": float(total_sq), "n": float(count)})
+    mean, var = alg.mean_var_from_moments(
+        torch.tensor(summed["s"]), torch.tensor(summed["sq"]), torch.tensor(summed["n"])
+    )
+    advantages = alg.whiten(returns, mask, mean, var)
+    batch.per_token[ADVANTAGES] = [
+        advantages[row, : int(n)].tolist() for row, n in enumerate(lengths.tolist())
+    ]
+
+
+def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """One optimizer step on `batch` with the configured policy loss."""
+    algo = actor.config.algorithm
+    state = actor.state
+    assert state is not None
+    global_counts = _dp_sum(
+        actor, {"tokens": float(sum(sum(m) for m in batch.loss_masks)), "seqs": float(len(batch))}
+    )
+    micro_batches = actor._micro_batches(batch)
+    megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
+    need_entropy = True  # entropy is reported every step, whether or not it is in the loss
+
+    def loss_fn(mb: MicroBatch, output: torch.Tensor):
+        logp, entropy = token_logprobs(
+            output,
+            mb.labels_BS,
+            true_vocab=actor.arch.vocab_size,
+            temperature=sampling_temperature(actor),
+            with_entropy=need_entropy,
+            chunk_tokens=actor.config.train.logprob_chunk_tokens,
+        )
+        mask = mb.loss_mask_BS
+        old = mb.per_token_BS[OLD_LOGP]
+        report: dict[str, torch.Tensor] = {}
+        is_weights = None
+        rollout_lp = mb.per_token_BS.get(ROLLOUT_LOGP)
+        if algo.tis and rollout_lp is not None:
+            is_weights = alg.truncated_is_weights(old, rollout_lp, algo.tis_clip_low, algo.tis_clip_high)
+            report["tis_weight_sum"] = (is_weights * mask).sum().detach()
+        if algo.mis and rollout_lp is not None:
+            mask, dropped = alg.masked_is(
+                old, rollout_lp, mask, algo.mis_low, algo.mis_high, algo.mis_level, mb.seq_index_BS
+            )
+            report["mis_dropped_sum"] = dropped.detach() * mb.loss_mask_BS.sum()
+        pg, stats = alg.policy_loss(
+            logp,
+            old,
+            mb.per_token_BS[ADVANTAGES],
+            mask,
+            eps_clip=algo.eps_clip,
+            eps_clip_high=algo.eps_clip_high,
+            dual_clip_c=algo.dual_clip_c,
+            seq_index_BS=mb.seq_index_BS,
+            level="sequence" if algo.advantage_estimator == "gspo" else "token",
+            reduction=algo.loss_reduction,
+            global_tokens=global_counts["tokens"],
+            global_seqs=global_counts["seqs"],
+            is_weights_BS=is_weights,
+        )
+        loss = pg
+        report["pg_loss"] = pg.detach()
+        tokens = stats["tokens"]
+        report["tokens"] = tokens.detach()
+        report["clipfrac_sum"] = (stats["clipfrac"] * tokens).detach()
+        report["ppo_kl_sum"] = (stats["ppo_kl"] * tokens).detach()
+        if algo.kl_loss_coef > 0:
+            kl = alg.kl_loss(
+                logp, mb.per_token_BS[REF_LOGP], mask, algo.kl_estimator, global_counts["tokens"]
+            )
+            loss = loss + algo.kl_loss_coef * kl
+            report["kl_loss"] = kl.detach()
+        if entropy is not None:
+            bonus = alg.entropy_bonus(entropy, mask, global_counts["tokens"])
+            if algo.entropy_coef > 0:
+                loss = loss - algo.entropy_coef * bonus
+            report["entropy"] = bonus.detach()
+        return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
+
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    reports = actor._forward_backward(micro_batches, loss_fn, forward_only=False, with_labels=False)
+    ok, grad_norm, _ = state.optimizer.step()
+    if ok:
+        state.scheduler.step(increment=1)
+    metrics = {
+        "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "train/lr": state.optimizer.param_groups[0]["lr"],
+    }
+    if _last_stage():
+        keys = sorted({k for r in reports for k in r})
+        summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
+        tokens = max(summed.pop("tokens", 0.0), 1.0)
+        for key, value in summed.items():
+            if key.endswith("_sum"):
+                metrics[f"train/{key[:-4]}"] = value / tokens
+            else:
+                metrics[f"train/{key}"] = value
+    return metrics
+
+
+def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """prepare() then `steps_per_rollout` optimizer steps on equal slices of the batch."""
+    start = time.perf_counter()
+    metrics = prepare(actor, batch)
+    steps = actor.config.train.steps_per_rollout
+    per_step = max(len(batch) // steps, 1)
+    step_metrics: list[dict[str, float]] = []
+    for step in range(steps):
+        indices = list(range(step * per_step, min((step + 1) * per_step, len(batch))))
+        if indices:
+            step_metrics.append(policy_step(actor, batch.select(indices)))
+    for key in step_metrics[0]:
+        metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+    metrics["perf/train_seconds"] = time.perf_counter() - start
+    return metrics

@@ -218,7 +218,7 @@ class MegatronActor:
 
         assert self.state is not None
         return {
-            str(i): hashlib.sha256(_bytes_of(s).numpy().tobytes()).hexdigest()
+            str(i): hashlib.sha256(_bytes_of(s).clone().numpy().tobytes()).hexdigest()  # clone: numpy() pins
             for i, s in enumerate(_storages(self.state.model, self.state.optimizer))
         }
 
@@ -239,6 +239,6 @@ class MegatronActor:
         digests = {}
         for index, chunk in enumerate(self._chunks):
             for name, param in chunk.module.named_parameters():
-                data = param.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+                data = param.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes()
                 digests[f"{index}/{name}"] = hashlib.sha256(data).hexdigest()
         return digests

@@ -252,16 +252,17 @@ def grad_bytes(buffers: list[Buffer]) -> int:
     return sum(b.padded * GRAD_BYTES for b in buffers)
 
 
-def optimizer_bytes(buffers: list[Buffer], optimizer: str, distributed: bool) -> int:
-    """Optimizer state: fp32 main params (4 B, only for non-fp32 params: fp32 ones are stepped in
-    place) + Adam m and v (8 B). The distributed optimizer keeps a 1/dp shard of each padded buffer
-    (dense params over dp*cp, expert params over the expert-dp group); without it every rank keeps
-    all of it."""
+def optimizer_bytes(buffers: list[Buffer], optimizer: str, distributed: bool, dtype_bytes: int) -> int:
+    """Optimizer state: fp32 main params (4 B, only for bf16 params: fp32 ones, all of them on CPU
+    and the router everywhere, are stepped in place) + Adam m and v (8 B). The distributed optimizer
+    keeps a 1/dp shard of each padded buffer (dense params over dp*cp, expert params over the
+    expert-dp group); without it every rank keeps all of it."""
     per_elem = OPTIMIZER_STATE_BYTES[optimizer]
     total = 0
     for b in buffers:
         elems = b.padded // b.dp_size if distributed else b.numel
-        total += elems * (per_elem + (0 if b.fp32 else MAIN_PARAM_BYTES))
+        main = 0 if b.fp32 or dtype_bytes == 4 else MAIN_PARAM_BYTES
+        total += elems * (per_elem + main)
     return total
 
 
@@ -363,23 +364,28 @@ def in_flight_microbatches(layout: ParallelLayout, pp_rank: int) -> list[int]:
     return counts
 
 
-# ------------------------------------------------------------------------------------- plan
+# --------------------------------------------------------------------------------- per stage
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
-    """Peak memory of one pipeline rank (every tp/ep/dp rank of a stage holds the same)."""
+    """Peak memory of one pipeline rank (every tp/ep/dp rank of a stage holds the same, up to the
+    optimizer shard's padding)."""
 
     pp_rank: int
     layers: tuple[int, ...]
     num_params: int
+    """Parameter elements of this rank (unpadded)."""
     num_expert_params: int
     params: int
     grads: int
     optimizer: int
+    """Optimizer state on the GPU (0 with `train.optimizer.cpu_offload`)."""
     optimizer_host: int
+    """Optimizer state in host memory (with `train.optimizer.cpu_offload`)."""
     activations: int
     logits: int
     allowance: int
     in_flight: tuple[int, ...]
+    """Micro-batches in flight at the peak, per model chunk."""
 
     @property
     def total(self) -> int:
@@ -387,8 +393,84 @@ class StagePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Inputs:
+    """Everything a stage plan depends on besides its chunks, resolved once from the config."""
+
+    arch: ModelArch
+    layout: ParallelLayout
+    use_te: bool
+    dtype_bytes: int
+    distributed: bool
+    optimizer: str
+    cpu_offload: bool
+    recompute: str | None
+    tokens: int
+    logits_tokens: int
+
+
+def _model_state(inp: _Inputs, chunks: list[Chunk]) -> dict[str, int]:
+    """Parameter counts and parameter/gradient/optimizer bytes of one pipeline rank: one DDP (and
+    its buffers) per model chunk, as `slimrl.trainer.model.build_train_state` wraps them."""
+    out = dict(num_params=0, num_expert_params=0, params=0, grads=0, optimizer=0)
+    for chunk in chunks:
+        tensors = chunk_tensors(inp.arch, inp.layout, chunk, inp.use_te)
+        buffers = ddp_buffers(tensors, inp.layout, inp.distributed)
+        out["num_params"] += sum(t.numel for t in tensors)
+        out["num_expert_params"] += sum(t.numel for t in tensors if t.name.startswith("experts."))
+        out["params"] += param_bytes(buffers, inp.dtype_bytes, inp.distributed)
+        out["grads"] += grad_bytes(buffers)
+        out["optimizer"] += optimizer_bytes(buffers, inp.optimizer, inp.distributed, inp.dtype_bytes)
+    return out
+
+
+def _activations(inp: _Inputs, chunks: list[Chunk], in_flight: list[int]) -> int:
+    """Activations of one pipeline rank at its peak: each in-flight micro-batch keeps its chunk's
+    layer activations (only layer inputs with full recompute, plus the one layer being recomputed)."""
+    arch, shape = inp.arch, _shape(inp)
+    per_token = 0.0
+    for count, chunk in zip(in_flight, chunks, strict=True):
+        if inp.recompute == "full":
+            kept = len(chunk.layers) * layer_input_bytes_per_token(arch, shape)
+        else:
+            kept = sum(layer_bytes_per_token(arch, shape, i, inp.recompute) for i in chunk.layers)
+        if chunk.post_process:
+            kept += final_norm_bytes_per_token(arch, shape)
+        per_token += count * kept
+    layers = [i for chunk in chunks for i in chunk.layers]
+    if inp.recompute == "full" and layers:
+        per_token += max(layer_bytes_per_token(arch, shape, i, None) for i in layers)
+    return math.ceil(per_token * inp.tokens)
+
+
+def _shape(inp: _Inputs) -> ActivationShape:
+    lay = inp.layout
+    sp = lay.tp if lay.sequence_parallel else 1
+    return ActivationShape(act_bytes=inp.dtype_bytes, tp=lay.tp, sp=sp, etp=lay.etp)
+
+
+def _stage_plan(inp: _Inputs, chunks: list[Chunk], pp_rank: int) -> StagePlan:
+    state = _model_state(inp, chunks)
+    in_flight = in_flight_microbatches(inp.layout, pp_rank)
+    optimizer = state.pop("optimizer")
+    has_output = any(chunk.post_process for chunk in chunks)
+    return StagePlan(
+        pp_rank=pp_rank,
+        layers=tuple(i for chunk in chunks for i in chunk.layers),
+        **state,
+        optimizer=0 if inp.cpu_offload else optimizer,
+        optimizer_host=optimizer if inp.cpu_offload else 0,
+        activations=_activations(inp, chunks, in_flight),
+        logits=logits_bytes(inp.arch, inp.layout, inp.logits_tokens) if has_output else 0,
+        allowance=CUDA_ALLOWANCE_BYTES if inp.use_te else 0,
+        in_flight=tuple(in_flight),
+    )
+
+
+# ------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
-    """The plan of the most loaded pipeline stage, with every stage's plan for reference."""
+    """Peak per-GPU memory of a training config: the terms (bytes) of its most loaded pipeline stage,
+    the budget, and every stage's plan for reference."""
 
     model: str
     device: str
@@ -399,47 +481,52 @@ class MemoryPlan:
     cpu_offload: bool
     tokens: int
     """Tokens per micro-batch per rank the activations are planned for."""
-    tokens_key: str
-    """The config key that sets `tokens` (for messages)."""
+    tokens_setting: str
+    """The `key=value` that sets `tokens` (named in messages)."""
     logits_tokens: int
-    budget: int
+    logits_setting: str
     total_params: int
-    """Parameters of the whole model (unsharded, unpadded)."""
-    stages: tuple[StagePlan, ...]
+    """Parameters of the whole model (unsharded, unpadded vocabulary)."""
     moe_layers: frozenset[int]
     gpus_per_node: int
-
-    @property
-    def stage(self) -> StagePlan:
-        """The stage that decides: the largest total (the first such on a tie)."""
-        return max(self.stages, key=lambda s: (s.total, -s.pp_rank))
-
-    @property
-    def total(self) -> int:
-        return self.stage.total
+    stages: tuple[StagePlan, ...]
+    stage: int
+    """The pipeline rank planned for: the largest total."""
+    num_params: int
+    """Parameter elements of one rank of that stage."""
+    num_expert_params: int
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_host: int
+    activations: int
+    logits: int
+    allowance: int
+    total: int
+    budget: int
+    """`cluster.gpu_memory_gb` in bytes."""
 
     @property
     def fits(self) -> bool:
         return self.total <= self.budget
 
-    def stage_role(self, pp_rank: int | None = None) -> str:
-        rank = self.stage.pp_rank if pp_rank is None else pp_rank
+    def stage_role(self) -> str:
         pp = self.layout.pp
         if pp == 1:
-            return "the only stage"
-        role = "first: embedding" if rank == 0 else "last: output layer" if rank == pp - 1 else "middle"
-        return f"stage {rank} of {pp} ({role})"
+            return "the only pipeline stage"
+        first, last = self.stage == 0, self.stage == pp - 1
+        role = "first: embedding" if first else "last: output layer" if last else "middle"
+        return f"pipeline stage {self.stage} of {pp} ({role})"
 
     def terms(self) -> dict[str, int]:
-        """Name -> bytes of the planned stage, in table order."""
-        s = self.stage
+        """Name -> bytes, in table order."""
         return {
-            "parameters": s.params,
-            "gradients": s.grads,
-            "optimizer state": s.optimizer,
-            "activations": s.activations,
-            "logits chunk": s.logits,
-            "CUDA/NCCL allowance": s.allowance,
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer state": self.optimizer,
+            "activations": self.activations,
+            "logits chunk": self.logits,
+            "CUDA/NCCL allowance": self.allowance,
         }
 
     def render(self) -> str:
@@ -447,145 +534,23 @@ class MemoryPlan:
         return "\n".join(_render_lines(self))
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
-
-
-def _describe_layout(plan: MemoryPlan) -> str:
-    lay = plan.layout
-    parts = [f"tp={lay.tp}", f"pp={lay.pp}"]
-    if lay.vpp:
-        parts.append(f"vpp={lay.vpp}")
-    parts += [f"cp={lay.cp}", f"ep={lay.ep}", f"etp={lay.etp}", f"dp={lay.dp}", f"expert-dp={lay.expert_dp}"]
-    extras = [
-        "SP" if lay.sequence_parallel else "no SP",
-        f"recompute={plan.recompute or 'none'}",
-        "distributed optimizer" if plan.distributed_optimizer else "replicated optimizer",
-    ]
-    if plan.cpu_offload:
-        extras.append("optimizer on CPU")
-    return f"{' '.join(parts)} ({', '.join(extras)})"
-
-
-def _render_lines(plan: MemoryPlan) -> list[str]:
-    s, lay = plan.stage, plan.layout
-    moe_layers = sum(1 for i in s.layers if i in plan.moe_layers)
-    layers = f"layers {s.layers[0]}-{s.layers[-1]}" if s.layers else "no layers"
-    if lay.vpp:
-        layers = f"{len(s.layers)} layers in {lay.vpp} chunks"
-    notes = {
-        "parameters": f"{plan.dtype}; {s.num_params / 1e9:.3f} B elements ({s.num_expert_params / 1e9:.3f} B expert)",
-        "gradients": "fp32 DDP buffer",
-        "optimizer state": _optimizer_note(plan),
-        "activations": f"{plan.tokens} tokens x {'+'.join(map(str, s.in_flight))} micro-batches in flight",
-        "logits chunk": f"{plan.logits_tokens} tokens x vocab/tp, fp32 x 2" if s.logits else "not on this stage",
-        "CUDA/NCCL allowance": "context, NCCL, fragmentation" if s.allowance else "none on CPU",
-    }
-    world = lay.world_size
-    lines = [
-        f"memory plan: {plan.model} on {world} {plan.device} ranks, {plan.total_params / 1e9:.2f} B parameters",
-        f"layout: {_describe_layout(plan)}",
-        f"planned: {plan.stage_role()}, {layers} ({moe_layers} MoE)",
-        "",
-        f"{'term':<22}{'GiB':>9}  note",
-        f"{'-' * 22}{'-' * 9}  {'-' * 40}",
-    ]
-    lines += [f"{name:<22}{_gib(value):>9}  {notes[name]}" for name, value in plan.terms().items()]
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines += [
-        f"{'-' * 22}{'-' * 9}",
-        f"{'total':<22}{_gib(plan.total):>9}  of {_gib(plan.budget)} GiB per GPU "
-        f"({100 * plan.total / plan.budget:.0f}%): {verdict}",
-    ]
-    if plan.cpu_offload:
-        host = s.optimizer_host
-        lines.append(
-            f"{'host (optimizer)':<22}{_gib(host):>9}  per rank, {_gib(host * plan.gpus_per_node)} GiB per node"
-        )
-    if len(plan.stages) > 1:
-        per_stage = "  ".join(f"{st.pp_rank}:{_gib(st.total)}" for st in plan.stages)
-        lines.append(f"per-stage totals (GiB): {per_stage}")
-    return lines
-
-
-def _optimizer_note(plan: MemoryPlan) -> str:
-    lay = plan.layout
-    if plan.cpu_offload:
-        return "on the host (train.optimizer.cpu_offload)"
-    if not plan.distributed_optimizer:
-        return "fp32 main + Adam, replicated on every dp rank"
-    return f"fp32 main + Adam, sharded over dp*cp={lay.dp * lay.cp} / expert-dp={lay.expert_dp}"
-
-
 def _tokens(config: SlimConfig, layout: ParallelLayout) -> tuple[int, str]:
     """Tokens per micro-batch per rank: the dynamic-batching budget, else micro_batch_size full-length
     sequences split over context-parallel ranks."""
     train = config.train
     if train.max_tokens_per_gpu:
-        return train.max_tokens_per_gpu, "train.max_tokens_per_gpu"
-    return -(-train.micro_batch_size * train.max_seq_len // layout.cp), "train.micro_batch_size"
+        return train.max_tokens_per_gpu, f"train.max_tokens_per_gpu={train.max_tokens_per_gpu}"
+    tokens = -(-train.micro_batch_size * train.max_seq_len // layout.cp)
+    return tokens, f"train.micro_batch_size={train.micro_batch_size}"
 
 
-def _stage_plan(
-    arch: ModelArch,
-    layout: ParallelLayout,
-    config: SlimConfig,
-    chunks: list[Chunk],
-    pp_rank: int,
-    *,
-    device: str,
-    dtype_bytes: int,
-    tokens: int,
-    logits_tokens: int,
-) -> StagePlan:
-    use_te = device == "cuda"
-    distributed = config.parallel.use_distributed_optimizer
-    optimizer_name = config.train.optimizer.name
-    num_params = num_expert = params = grads = optimizer = 0
-    for chunk in chunks:
-        tensors = chunk_tensors(arch, layout, chunk, use_te)
-        buffers = ddp_buffers(tensors, layout, distributed)
-        num_params += sum(t.numel for t in tensors)
-        num_expert += sum(t.numel for t in tensors if "experts." in t.name and "shared" not in t.name)
-        params += param_bytes(buffers, dtype_bytes, distributed)
-        grads += grad_bytes(buffers)
-        optimizer += optimizer_bytes(buffers, optimizer_name, distributed)
-    shape = ActivationShape(
-        act_bytes=dtype_bytes,
-        tp=layout.tp,
-        sp=layout.tp if layout.sequence_parallel else 1,
-        etp=layout.etp,
-    )
-    recompute = config.parallel.recompute
-    in_flight = in_flight_microbatches(layout, pp_rank)
-    per_token = 0.0
-    for count, chunk in zip(in_flight, chunks, strict=True):
-        if recompute == "full":
-            kept = len(chunk.layers) * layer_input_bytes_per_token(arch, shape)
-        else:
-            kept = sum(layer_bytes_per_token(arch, shape, i, recompute) for i in chunk.layers)
-        if chunk.post_process:
-            kept += final_norm_bytes_per_token(arch, shape)
-        per_token += count * kept
-    layers = tuple(i for chunk in chunks for i in chunk.layers)
-    if recompute == "full" and layers:  # the one layer being recomputed during backward
-        per_token += max(layer_bytes_per_token(arch, shape, i, None) for i in layers)
-    has_logits = any(chunk.post_process for chunk in chunks)
-    offload = config.train.optimizer.cpu_offload
-    return StagePlan(
-        pp_rank=pp_rank,
-        layers=layers,
-        num_params=num_params,
-        num_expert_params=num_expert,
-        params=params,
-        grads=grads,
-        optimizer=0 if offload else optimizer,
-        optimizer_host=optimizer if offload else 0,
-        activations=math.ceil(per_token * tokens),
-        logits=logits_bytes(arch, layout, logits_tokens) if has_logits else 0,
-        allowance=CUDA_ALLOWANCE_BYTES if device == "cuda" else 0,
-        in_flight=tuple(in_flight),
-    )
+def _logits_tokens(config: SlimConfig, tokens: int, tokens_setting: str) -> tuple[int, str]:
+    """The SFT loss goes through Megatron's fused cross-entropy over the whole micro-batch; the RL
+    losses take log-probs `train.logprob_chunk_tokens` at a time."""
+    if config.algorithm.loss == "sft":
+        return tokens, tokens_setting
+    chunk = config.train.logprob_chunk_tokens
+    return min(chunk, tokens), f"train.logprob_chunk_tokens={chunk}"
 
 
 def total_parameters(arch: ModelArch) -> int:
@@ -599,7 +564,7 @@ def total_parameters(arch: ModelArch) -> int:
 
 def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
     """Plan the peak per-GPU memory of training `config` on `device` (default: `cluster.device`,
-    `auto` resolved on this machine). Needs only the checkpoint's config.json."""
+    `auto` resolved on this machine). Reads only the checkpoint's config.json."""
     device = device or resolve_device(config)
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device {device}: must be cuda or cpu")
@@ -608,33 +573,171 @@ def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
     layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
     dtype = config.model.dtype if config.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
-    tokens, tokens_key = _tokens(config, layout)
-    # The SFT loss goes through Megatron's fused cross-entropy over the whole micro-batch; the RL
-    # losses take log-probs chunk by chunk.
-    chunk_tokens = config.train.logprob_chunk_tokens
-    logits_tokens = tokens if config.algorithm.loss == "sft" else min(chunk_tokens, tokens)
-    stages = tuple(
-        _stage_plan(
-            arch, layout, config, chunks, rank,
-            device=device, dtype_bytes=2 if dtype == "bf16" else 4, tokens=tokens, logits_tokens=logits_tokens,
-        )  # fmt: skip
-        for rank, chunks in enumerate(pipeline_chunks(arch, layout))
+    tokens, tokens_setting = _tokens(config, layout)
+    logits_tokens, logits_setting = _logits_tokens(config, tokens, tokens_setting)
+    inp = _Inputs(
+        arch=arch,
+        layout=layout,
+        use_te=device == "cuda",
+        dtype_bytes=2 if dtype == "bf16" else 4,
+        distributed=config.parallel.use_distributed_optimizer,
+        optimizer=config.train.optimizer.name,
+        cpu_offload=config.train.optimizer.cpu_offload,
+        recompute=config.parallel.recompute,
+        tokens=tokens,
+        logits_tokens=logits_tokens,
     )
-    result = MemoryPlan(
+    stages = tuple(
+        _stage_plan(inp, chunks, rank) for rank, chunks in enumerate(pipeline_chunks(arch, layout))
+    )
+    worst = max(stages, key=lambda s: (s.total, -s.pp_rank))
+    return MemoryPlan(
         model=f"{arch.model_type} ({config.model.hf_checkpoint})",
         device=device,
         dtype=dtype,
         layout=layout,
         recompute=config.parallel.recompute,
-        distributed_optimizer=config.parallel.use_distributed_optimizer,
-        cpu_offload=config.train.optimizer.cpu_offload,
+        distributed_optimizer=inp.distributed,
+        cpu_offload=inp.cpu_offload,
         tokens=tokens,
-        tokens_key=tokens_key,
+        tokens_setting=tokens_setting,
         logits_tokens=logits_tokens,
-        budget=int(config.cluster.gpu_memory_gb * GIB),
+        logits_setting=logits_setting,
         total_params=total_parameters(arch),
-        stages=stages,
         moe_layers=frozenset(i for i in range(arch.num_layers) if _is_moe_layer(arch, i)),
         gpus_per_node=config.cluster.gpus_per_node,
+        stages=stages,
+        stage=worst.pp_rank,
+        num_params=worst.num_params,
+        num_expert_params=worst.num_expert_params,
+        params=worst.params,
+        grads=worst.grads,
+        optimizer=worst.optimizer,
+        optimizer_host=worst.optimizer_host,
+        activations=worst.activations,
+        logits=worst.logits,
+        allowance=worst.allowance,
+        total=worst.total,
+        budget=int(config.cluster.gpu_memory_gb * GIB),
     )
-    return result
+
+
+# ----------------------------------------------------------------------------------- render
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _count(n: int) -> str:
+    """Parameter counts at a readable scale (billions for real models, thousands for tiny ones)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _describe_layout(plan: MemoryPlan) -> str:
+    lay = plan.layout
+    sizes = [f"tp={lay.tp}", f"pp={lay.pp}", *([f"vpp={lay.vpp}"] if lay.vpp else [])]
+    sizes += [f"cp={lay.cp}", f"ep={lay.ep}", f"etp={lay.etp}", f"dp={lay.dp}", f"expert-dp={lay.expert_dp}"]
+    extras = [
+        "SP" if lay.sequence_parallel else "no SP",
+        f"recompute={plan.recompute or 'none'}",
+        "distributed optimizer" if plan.distributed_optimizer else "replicated optimizer",
+        *(["optimizer on host"] if plan.cpu_offload else []),
+    ]
+    return f"{' '.join(sizes)} ({', '.join(extras)})"
+
+
+def _notes(plan: MemoryPlan) -> dict[str, str]:
+    """The right-hand column: where each term's bytes come from."""
+    lay, stage = plan.layout, plan.stages[plan.stage]
+    if plan.cpu_offload:
+        optimizer = "on the host (train.optimizer.cpu_offload)"
+    elif plan.distributed_optimizer:
+        optimizer = f"fp32 main + Adam, sharded over dp*cp={lay.dp * lay.cp}, expert-dp={lay.expert_dp}"
+    else:
+        optimizer = "fp32 main + Adam, whole on every dp rank"
+    in_flight = "+".join(map(str, stage.in_flight))
+    return {
+        "parameters": f"{plan.dtype}, {_count(plan.num_params)} elements "
+        f"({_count(plan.num_expert_params)} in routed experts)",
+        "gradients": "fp32 DDP grad buffer",
+        "optimizer state": optimizer,
+        "activations": f"{plan.tokens} tokens/micro-batch x {in_flight} in flight",
+        "logits chunk": f"{plan.logits_tokens} tokens x vocab/tp x fp32 x 2" if plan.logits else "not here",
+        "CUDA/NCCL allowance": "context, NCCL buffers, fragmentation" if plan.allowance else "none on CPU",
+    }
+
+
+def _render_lines(plan: MemoryPlan) -> list[str]:
+    layers = plan.stages[plan.stage].layers
+    moe = sum(1 for i in layers if i in plan.moe_layers)
+    span = f"layers {layers[0]}-{layers[-1]}" if layers and not plan.layout.vpp else "layers"
+    notes = _notes(plan)
+    lines = [
+        f"model: {plan.model}, {_count(plan.total_params)} parameters",
+        f"ranks: {plan.layout.world_size} x {plan.device} ({plan.dtype}), {_describe_layout(plan)}",
+        f"planned: {plan.stage_role()}, {span}: {len(layers) - moe} dense + {moe} MoE",
+        "",
+        f"{'term':<22}{'GiB':>9}  from",
+        f"{'-' * 22}{'-' * 9}  {'-' * 44}",
+        *(f"{name:<22}{_gib(value):>9}  {notes[name]}" for name, value in plan.terms().items()),
+        f"{'-' * 22}{'-' * 9}",
+        f"{'total':<22}{_gib(plan.total):>9}  of {_gib(plan.budget)} GiB per GPU "
+        f"({100 * plan.total / plan.budget:.0f}%): {'fits' if plan.fits else 'DOES NOT FIT'}",
+    ]
+    if plan.cpu_offload:
+        per_node = _gib(plan.optimizer_host * plan.gpus_per_node)
+        lines.append(
+            f"{'host memory':<22}{_gib(plan.optimizer_host):>9}  optimizer per rank, {per_node} GiB/node"
+        )
+    if len(plan.stages) > 1:
+        lines.append(
+            "per-stage totals (GiB): " + "  ".join(f"{s.pp_rank}:{_gib(s.total)}" for s in plan.stages)
+        )
+    return lines
+
+
+# ------------------------------------------------------------------------------------ check
+def check_fits(plan: MemoryPlan) -> None:
+    """Refuse a plan over budget with one line: the key behind the biggest term, the numbers, and
+    what to change."""
+    if plan.fits:
+        return
+    terms = plan.terms()
+    allowance = terms.pop("CUDA/NCCL allowance")
+    name = max(terms, key=lambda n: terms[n])
+    value = terms[name]
+    if value < allowance:
+        name, value = "CUDA/NCCL allowance", allowance
+    setting, advice = _advice(plan, name)
+    raise ConfigError(
+        f"{setting}: {name} {_gib(value)} GiB, total {_gib(plan.total)} of {_gib(plan.budget)} GiB per GPU "
+        f"on {plan.stage_role()}: {advice}"
+    )
+
+
+def _advice(plan: MemoryPlan, term: str) -> tuple[str, str]:
+    """(the `key=value` responsible for `term`, what to change)."""
+    if term == "activations":
+        steps = [f"lower {plan.tokens_setting.split('=')[0]}"]
+        if plan.recompute != "full":
+            steps.append("set parallel.recompute=full")
+        return plan.tokens_setting, ", ".join(steps) + " or raise parallel.tp"
+    if term == "logits chunk":
+        return plan.logits_setting, f"lower {plan.logits_setting.split('=')[0]} or raise parallel.tp"
+    if term == "optimizer state":
+        if not plan.distributed_optimizer:
+            return (
+                "parallel.use_distributed_optimizer=false",
+                "set parallel.use_distributed_optimizer=true, train.optimizer.cpu_offload=true or raise dp",
+            )
+        return (
+            "train.optimizer.cpu_offload=false",
+            "set train.optimizer.cpu_offload=true or raise dp / expert-dp (more GPUs per model replica)",
+        )
+    if term in ("parameters", "gradients"):
+        keys = ["ep", "tp", "pp"] if plan.moe_layers else ["tp", "pp"]
+        setting = ", ".join(f"parallel.{k}={getattr(plan.layout, k)}" for k in keys)
+        return setting, "raise " + "/".join(f"parallel.{k}" for k in keys) + " (or use more GPUs)"
+    return f"cluster.gpu_memory_gb={plan.budget / GIB:g}", "the fixed CUDA/NCCL allowance alone does not fit"

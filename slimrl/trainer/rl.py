@@ -114,10 +114,7 @@ def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
     sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
     reduced = _dp_sum(actor, {k: float(v) for k, v in sums.items()})
-    return {
-        f"train/{k}": v
-        for k, v in alg.mismatch_metrics({k: torch.tensor(v) for k, v in reduced.items()}).items()
-    }
+    return alg.mismatch_metrics({k: torch.tensor(v, dtype=torch.float64) for k, v in reduced.items()})
 
 
 def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:

@@ -1,0 +1,74 @@
+"""torchrun worker for the RL trainer: build the tiny policy, run scenario steps, dump results.
+
+Usage: torchrun --nproc-per-node N tests/dist/rl_worker.py OUT_DIR SCENARIO key=value ...
+Scenarios: `steps` (rollout logprobs taken from the trainer itself, two RL updates),
+`offload` (digests around an offload/onload cycle, then one update).
+Each rank writes OUT_DIR/rank<k>.json; rank 0 also saves the final weights to OUT_DIR/weights.pt.
+"""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from slimrl.config import load_config
+from slimrl.trainer.actor import MegatronActor
+from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.distributed import RankInfo, destroy_distributed
+
+
+def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
+    rng = random.Random(0)
+    sequences = [[rng.randrange(3, vocab) for _ in range(rng.randrange(10, 30))] for _ in range(8)]
+    responses = [rng.randrange(3, len(s) - 2) for s in sequences]
+    advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(8)]
+    mine = list(range(dp_rank, 8, dp))
+    return TrainBatch(
+        tokens=[sequences[i] for i in mine],
+        response_lengths=[responses[i] for i in mine],
+        loss_masks=[[1] * responses[i] for i in mine],
+        per_token={"advantages": [[advantages[i]] * responses[i] for i in mine]},
+        global_num_tokens=sum(responses),
+        global_num_seqs=8,
+    )
+
+
+def main() -> None:
+    out_dir, scenario = Path(sys.argv[1]), sys.argv[2]
+    config = load_config(None, sys.argv[3:])
+    info = RankInfo.from_env()
+    actor = MegatronActor(config, info)
+    actor.setup(total_steps=4)
+    coords = actor.coordinates()
+    batch = make_batch(actor.arch.vocab_size, actor.layout.dp, coords["dp"])
+    rollout_lp = actor.response_logprobs(batch)  # as an exactly on-policy engine would report them
+    batch.per_token["rollout_log_probs"] = [
+        rollout_lp.get(i, [0.0] * n) for i, n in enumerate(batch.response_lengths)
+    ]
+    result = {"coords": coords, "rollout_logprobs": {str(k): v for k, v in rollout_lp.items()}}
+    if scenario == "offload":  # one update first, so Adam's state exists and is offloaded too
+        result["metrics"] = [actor.train_rl(batch)]
+        before = actor.state_digests()
+        freed = actor.offload()
+        result["freed_bytes"] = freed
+        result["sizes_while_offloaded"] = sum(
+            p.untyped_storage().nbytes() for p in actor.state.model[0].parameters()
+        )
+        actor.onload()
+        result["digests_equal"] = before == actor.state_digests()
+    result["metrics"] = [
+        *result.get("metrics", []),
+        *[actor.train_rl(batch) for _ in range(2 if scenario == "steps" else 1)],
+    ]
+    result["after_logprobs"] = {str(k): v for k, v in actor.response_logprobs(batch).items()}
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
+    if info.rank == 0:
+        weights = {n: p.detach().clone() for n, p in actor.state.model[0].module.named_parameters()}
+        torch.save(weights, out_dir / "weights.pt")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

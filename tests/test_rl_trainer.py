@@ -62,6 +62,7 @@ def test_on_policy_step_is_exact_and_moves_the_policy(reference):
         (2, ["parallel.tp=2"]),
         (2, ["parallel.pp=2", "train.max_tokens_per_gpu=40"]),
         (2, ["train.max_tokens_per_gpu=40"]),  # DP2
+        (1, ["train.max_tokens_per_gpu=40", "train.inject_oom_above_tokens=30"]),  # OOM: split and redo
     ],
     ids=str,
 )
@@ -71,6 +72,8 @@ def test_update_is_independent_of_layout_and_micro_batching(
     results, weights = run(tmp_path, tiny_model, "steps", nproc, *overrides)
     ref_results, ref_weights = reference
     ours, theirs = last_stage(results)["metrics"], last_stage(ref_results)["metrics"]
+    injected = any("inject_oom" in o for o in overrides)
+    assert (ours[-1]["train/oom_retries"] > 0) == injected
     for mine, ref in zip(ours, theirs, strict=True):
         assert mine["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], abs=1e-5)
         assert mine["train/pg_loss"] == pytest.approx(ref["train/pg_loss"], abs=1e-6)

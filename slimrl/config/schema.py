@@ -46,6 +46,9 @@ class ClusterConfig:
     """Devices reserved for rollout engines when `colocate` is false."""
     device: str = "auto"
     """`auto` (cuda if visible, else cpu), `cuda` or `cpu`."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one device in GiB: the budget `slimrl plan` checks a layout against before
+    anything starts (an "80 GB" H100 reports 79.6 GiB; the planner's fixed allowance covers that)."""
 
 
 @_section
@@ -296,7 +299,9 @@ class TrainConfig:
     logprob_chunk_tokens: int = 4096
     """Tokens per chunk of the vocabulary-parallel log-softmax (bounds logits memory)."""
     oom_max_splits: int = 3
-    """Times an out-of-memory micro-batch may be split in two before the step fails."""
+    """Times an out-of-memory step is retried with micro-batches half as big before it fails."""
+    inject_oom_above_tokens: int | None = None
+    """Testing only: raise an out-of-memory error for micro-batches above this many tokens."""
 
 
 @_section

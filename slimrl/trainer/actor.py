@@ -10,12 +10,14 @@ import hashlib
 import logging
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from slimrl.config.checks import train_world_size
 from slimrl.config.schema import SlimConfig
+from slimrl.errors import SlimError
 from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
 from slimrl.trainer import losses
@@ -48,6 +50,7 @@ class MegatronActor:
         self.weights: WeightStore | None = None
         self.offloader: Offloader | None = None
         self.steps_done = 0
+        self.oom_retries = 0
 
     # ---------------------------------------------------------------- set-up
     def setup(self, total_steps: int) -> dict[str, Any]:
@@ -102,6 +105,44 @@ class MegatronActor:
         same_length = max(len(t) for t in batch.tokens) if uniform_shapes(self.layout, self.options) else 0
         return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
 
+    def with_oom_retry(self, run, batch: TrainBatch):
+        """`run(micro_batches)` with OOM recovery: every rank agrees on failure (an all-reduced
+        flag), gradients are dropped, and the step is redone with micro-batches half as big, up to
+        `train.oom_max_splits` times. Exact when the OOM strikes outside a collective (the usual
+        site in RL: the logits); a step is never silently skipped."""
+        import torch.distributed as dist
+
+        budget = self.config.train.max_tokens_per_gpu
+        for attempt in range(self.config.train.oom_max_splits + 1):
+            micro_batches = self._micro_batches(batch, max_tokens=budget)
+            failed = torch.zeros(1)
+            reason = ""
+            try:
+                result = run(micro_batches)
+            except torch.OutOfMemoryError as exc:
+                failed += 1
+                reason = str(exc).splitlines()[0]
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if not failed.item():
+                return result
+            largest = max(mb.num_tokens for mb in micro_batches)
+            budget = max(largest // 2, max(len(t) for t in batch.tokens))
+            self.oom_retries += 1
+            logger.warning(
+                "out of memory (%s, attempt %d); retrying with at most %d tokens per micro-batch",
+                reason or "on another rank",
+                attempt + 1,
+                budget,
+            )
+            for chunk in self._chunks:
+                chunk.zero_grad_buffer()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        raise SlimError(
+            f"out of memory even after {self.config.train.oom_max_splits} splits "
+            f"(train.oom_max_splits); lower train.max_tokens_per_gpu or check `slimrl plan`"
+        )
+
     def _max_over_dp(self, value: int) -> int:
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
@@ -117,8 +158,12 @@ class MegatronActor:
     ) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        inject = self.config.train.inject_oom_above_tokens
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if inject is not None and mb.num_tokens > inject:
+                raise torch.OutOfMemoryError(f"injected: micro-batch of {mb.num_tokens} tokens")
             labels = mb.labels_BS if with_labels else None
             output = model(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
             return output, partial(loss_fn, mb)
@@ -153,20 +198,20 @@ class MegatronActor:
 
         assert self.state is not None, "setup() first"
         start = time.perf_counter()
-        micro_batches = self._micro_batches(batch)
-        scale = losses.loss_scale(
-            len(micro_batches), self.layout.dp * self.layout.cp, batch.global_num_tokens
-        )
 
-        def loss_fn(mb: MicroBatch, output):
-            if self.config.algorithm.loss != "sft":
-                raise NotImplementedError("policy losses arrive with the RL trainer")
-            return losses.sft_loss(output, mb.loss_mask_BS, scale)
+        def run(micro_batches: list[MicroBatch]) -> list[dict]:
+            dp = self.layout.dp * self.layout.cp
+            scale = losses.loss_scale(len(micro_batches), dp, batch.global_num_tokens)
+
+            def loss_fn(mb: MicroBatch, output):
+                return losses.sft_loss(output, mb.loss_mask_BS, scale)
+
+            return self._forward_backward(micro_batches, loss_fn, forward_only=False)
 
         for chunk in self._chunks:
             chunk.zero_grad_buffer()
         self.state.optimizer.zero_grad()
-        reports = self._forward_backward(micro_batches, loss_fn, forward_only=False)
+        reports = self.with_oom_retry(run, batch)
         ok, grad_norm, _ = self.state.optimizer.step()
         if ok:
             self.state.scheduler.step(increment=1)
@@ -175,6 +220,7 @@ class MegatronActor:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": self.state.optimizer.param_groups[0]["lr"],
             "update_ok": float(ok),
+            "oom_retries": float(self.oom_retries),
             "seconds": time.perf_counter() - start,
         }
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
@@ -200,6 +246,18 @@ class MegatronActor:
         from slimrl.trainer import rl
 
         return rl.response_logprobs(self, batch)["logprobs"]
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        from slimrl.trainer.checkpoint import save_train_state
+
+        save_train_state(self, Path(directory))
+
+    def load_checkpoint(self, directory: str) -> int:
+        from slimrl.trainer.checkpoint import load_train_state
+
+        load_train_state(self, Path(directory))
+        return self.steps_done
 
     # ---------------------------------------------------------------- memory
     def offload(self) -> int:

@@ -252,18 +252,27 @@ def grad_bytes(buffers: list[Buffer]) -> int:
     return sum(b.padded * GRAD_BYTES for b in buffers)
 
 
+def optimizer_shard_elements(buffers: list[Buffer], distributed: bool) -> int:
+    """Elements this rank's optimizer steps: a 1/dp shard of each padded buffer with the distributed
+    optimizer (dense params over dp*cp, expert params over the expert-dp group), else all of them."""
+    return sum(b.padded // b.dp_size if distributed else b.numel for b in buffers)
+
+
 def optimizer_bytes(buffers: list[Buffer], optimizer: str, distributed: bool, dtype_bytes: int) -> int:
-    """Optimizer state: fp32 main params (4 B, only for bf16 params: fp32 ones, all of them on CPU
-    and the router everywhere, are stepped in place) + Adam m and v (8 B). The distributed optimizer
-    keeps a 1/dp shard of each padded buffer (dense params over dp*cp, expert params over the
-    expert-dp group); without it every rank keeps all of it."""
-    per_elem = OPTIMIZER_STATE_BYTES[optimizer]
+    """Optimizer state over the shard: fp32 main params (4 B, only for bf16 params: fp32 ones, all
+    of them on CPU and the router everywhere, are stepped in place) + Adam m and v (8 B)."""
     total = 0
     for b in buffers:
-        elems = b.padded // b.dp_size if distributed else b.numel
         main = 0 if b.fp32 or dtype_bytes == 4 else MAIN_PARAM_BYTES
-        total += elems * (per_elem + main)
+        total += optimizer_shard_elements([b], distributed) * (OPTIMIZER_STATE_BYTES[optimizer] + main)
     return total
+
+
+def host_optimizer_bytes(optimizer_state: int, shard_elements: int) -> int:
+    """`train.optimizer.cpu_offload` (Megatron's HybridDeviceOptimizer, everything offloaded): the
+    optimizer state moves to the host, which also keeps a pinned fp32 copy of the shard's gradients
+    to step on; the GPU keeps no optimizer state."""
+    return optimizer_state + GRAD_BYTES * shard_elements
 
 
 # ------------------------------------------------------------------------------- activations
@@ -380,7 +389,8 @@ class StagePlan:
     optimizer: int
     """Optimizer state on the GPU (0 with `train.optimizer.cpu_offload`)."""
     optimizer_host: int
-    """Optimizer state in host memory (with `train.optimizer.cpu_offload`)."""
+    """Host memory of the offloaded optimizer (with `train.optimizer.cpu_offload`): its state and a
+    fp32 copy of the gradient shard."""
     activations: int
     logits: int
     allowance: int
@@ -411,7 +421,7 @@ class _Inputs:
 def _model_state(inp: _Inputs, chunks: list[Chunk]) -> dict[str, int]:
     """Parameter counts and parameter/gradient/optimizer bytes of one pipeline rank: one DDP (and
     its buffers) per model chunk, as `slimrl.trainer.model.build_train_state` wraps them."""
-    out = dict(num_params=0, num_expert_params=0, params=0, grads=0, optimizer=0)
+    out = dict(num_params=0, num_expert_params=0, params=0, grads=0, optimizer=0, shard=0)
     for chunk in chunks:
         tensors = chunk_tensors(inp.arch, inp.layout, chunk, inp.use_te)
         buffers = ddp_buffers(tensors, inp.layout, inp.distributed)
@@ -420,6 +430,7 @@ def _model_state(inp: _Inputs, chunks: list[Chunk]) -> dict[str, int]:
         out["params"] += param_bytes(buffers, inp.dtype_bytes, inp.distributed)
         out["grads"] += grad_bytes(buffers)
         out["optimizer"] += optimizer_bytes(buffers, inp.optimizer, inp.distributed, inp.dtype_bytes)
+        out["shard"] += optimizer_shard_elements(buffers, inp.distributed)
     return out
 
 
@@ -451,14 +462,14 @@ def _shape(inp: _Inputs) -> ActivationShape:
 def _stage_plan(inp: _Inputs, chunks: list[Chunk], pp_rank: int) -> StagePlan:
     state = _model_state(inp, chunks)
     in_flight = in_flight_microbatches(inp.layout, pp_rank)
-    optimizer = state.pop("optimizer")
+    optimizer, shard = state.pop("optimizer"), state.pop("shard")
     has_output = any(chunk.post_process for chunk in chunks)
     return StagePlan(
         pp_rank=pp_rank,
         layers=tuple(i for chunk in chunks for i in chunk.layers),
         **state,
         optimizer=0 if inp.cpu_offload else optimizer,
-        optimizer_host=optimizer if inp.cpu_offload else 0,
+        optimizer_host=host_optimizer_bytes(optimizer, shard) if inp.cpu_offload else 0,
         activations=_activations(inp, chunks, in_flight),
         logits=logits_bytes(inp.arch, inp.layout, inp.logits_tokens) if has_output else 0,
         allowance=CUDA_ALLOWANCE_BYTES if inp.use_te else 0,
@@ -689,7 +700,7 @@ def _render_lines(plan: MemoryPlan) -> list[str]:
     if plan.cpu_offload:
         per_node = _gib(plan.optimizer_host * plan.gpus_per_node)
         lines.append(
-            f"{'host memory':<22}{_gib(plan.optimizer_host):>9}  optimizer per rank, {per_node} GiB/node"
+            f"{'host memory':<22}{_gib(plan.optimizer_host):>9}  optimizer + fp32 grads, {per_node} GiB/node"
         )
     if len(plan.stages) > 1:
         lines.append(

@@ -57,7 +57,9 @@ def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: boo
         return output.sum() * 0.0, {}
 
     with torch.no_grad():
-        actor._forward_backward(actor._micro_batches(batch), capture, forward_only=True, with_labels=False)
+        actor.with_oom_retry(
+            lambda mbs: actor._forward_backward(mbs, capture, forward_only=True, with_labels=False), batch
+        )
     captured.pop(-1, None)
     entropies.pop(-1, None)
     return {"logprobs": captured, "entropy": entropies}
@@ -155,9 +157,9 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     global_counts = _dp_sum(
         actor, {"tokens": float(sum(sum(m) for m in batch.loss_masks)), "seqs": float(len(batch))}
     )
-    micro_batches = actor._micro_batches(batch)
-    megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
+
+    megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor):
         logp, entropy = token_logprobs(
@@ -218,13 +220,20 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    reports = actor._forward_backward(micro_batches, loss_fn, forward_only=False, with_labels=False)
+
+    def run(micro_batches: list[MicroBatch]) -> list[dict]:
+        nonlocal megatron_scale
+        megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
+        return actor._forward_backward(micro_batches, loss_fn, forward_only=False, with_labels=False)
+
+    reports = actor.with_oom_retry(run, batch)
     ok, grad_norm, _ = state.optimizer.step()
     if ok:
         state.scheduler.step(increment=1)
     metrics = {
         "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "train/lr": state.optimizer.param_groups[0]["lr"],
+        "train/oom_retries": float(actor.oom_retries),
     }
     if _last_stage():
         keys = sorted({k for r in reports for k in r})

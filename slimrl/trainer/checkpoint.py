@@ -1,0 +1,147 @@
+"""Training checkpoints: model, optimizer, LR schedule and RNG of every rank, via Megatron's
+distributed checkpointing, written atomically.
+
+Layout under `checkpoint.save_dir`:
+
+    iter_0000004/      a complete checkpoint (torch_dist files + driver_state.json + rng_rank*.pt)
+    latest             text file naming the newest complete checkpoint
+
+All ranks write into a temporary sibling directory; the driver adds its own state (rollout id,
+data position, buffer) and only then renames it into place and rewrites `latest` (both atomic).
+A kill at any point leaves the previous checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from slimrl.utils.fs import atomic_write_text
+
+if TYPE_CHECKING:
+    from slimrl.trainer.actor import MegatronActor
+
+LATEST = "latest"
+DRIVER_STATE = "driver_state.json"
+# Optimizer state layout: no gathers at save time; resharding over data-parallel ranks only.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+def iteration_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if (path / DRIVER_STATE).is_file() else None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _train_state(actor: MegatronActor, is_loading: bool) -> dict[str, Any]:
+    from slimrl.megatron_bridge.dist_ckpt import sharded_model_state
+
+    assert actor.state is not None
+    model = sharded_model_state(actor.state.model)
+    optimizer = actor.state.optimizer.sharded_state_dict(
+        model, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+    )
+    return {**model, "optimizer": optimizer}
+
+
+def save_train_state(actor: MegatronActor, directory: Path) -> None:
+    """All ranks: write this rank's share of the training state into `directory`."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from slimrl.megatron_bridge.dist_ckpt import sync_save_strategy
+
+    assert actor.state is not None
+    state = _train_state(actor, is_loading=False)
+    state["scheduler"] = actor.state.scheduler.state_dict()
+    state["steps_done"] = actor.steps_done
+    dist_checkpointing.save(state, str(directory), sharded_strategy=sync_save_strategy())
+    torch.save(_rng_state(), directory / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def load_train_state(actor: MegatronActor, directory: Path) -> None:
+    """All ranks: restore model, optimizer, schedule (and RNG when the world size matches)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    assert actor.state is not None
+    state = _train_state(actor, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(directory))
+    modules = [getattr(c, "module", c) for c in actor.state.model]
+    for index, module in enumerate(modules):
+        module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{index}"], strict=True)
+    actor.state.optimizer.load_state_dict(loaded["optimizer"])
+    actor.state.scheduler.load_state_dict(loaded["scheduler"])
+    actor.steps_done = int(loaded["steps_done"])
+    rng = directory / f"rng_rank{dist.get_rank()}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+
+
+def new_tmp_dir(root: Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `step` (leftovers of a killed save go)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".iter_{step:07d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(root: Path, tmp: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
+    """Driver: add its state, rename into place, point `latest` at it, prune old ones."""
+    atomic_write_text(tmp / DRIVER_STATE, json.dumps(driver_state))
+    final = iteration_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(root / LATEST, final.name + "\n")
+    complete = sorted(p for p in root.iterdir() if _ITER.match(p.name))
+    for old in complete[: max(len(complete) - keep_last, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_driver_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / DRIVER_STATE).read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -26,6 +27,16 @@ def _rollout(args: argparse.Namespace) -> None:
     run_rollout_only(load_config(args.config, args.overrides), args.num_rollouts)
 
 
+def _plan(args: argparse.Namespace) -> None:
+    """Print the per-GPU memory plan; a layout that cannot fit exits 2 with one line on stderr."""
+    from slimrl.config import load_config
+    from slimrl.trainer.memory_plan import check_fits, plan
+
+    memory = plan(load_config(args.config, args.overrides), device=args.device)
+    print(memory.render(), flush=True)
+    check_fits(memory)
+
+
 def _make_tiny(args: argparse.Namespace) -> None:
     from slimrl.data.tiny_models import make_tiny
 
@@ -46,6 +57,37 @@ def _make_data(args: argparse.Namespace) -> None:
     print(f"wrote {args.num} {args.task} samples to {out}")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from slimrl.rollout.embedded.engine import EngineError
+    from slimrl.rollout.embedded.server import ServerArgs, run
+
+    if not Path(args.model, "config.json").is_file():
+        raise SlimError(f"serve --model {args.model}: not a Hugging Face checkpoint (no config.json)")
+    server_args = ServerArgs(
+        model_path=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        seed=args.seed,
+    )
+
+    def ready(url: str) -> None:
+        print(f"slimrl serve: ready at {url} (model {args.model})", flush=True)
+
+    try:
+        run(server_args, on_ready=ready)
+    except EngineError as exc:
+        raise SlimError(f"serve: {exc}") from None
+    # The server has stopped and nothing is left to flush; tearing down torch/transformers module
+    # state would take seconds more, which makes a SIGTERM'd server linger.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from slimrl.megatron_bridge.cli import build_parser as convert_parser
 
@@ -63,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--num-rollouts", type=int, default=1)
     rollout.set_defaults(handler=_rollout)
 
+    plan = sub.add_parser(
+        "plan", help="estimate per-GPU memory of a config's layout; exit 2 when it cannot fit"
+    )
+    plan.add_argument("config", help="YAML config, e.g. configs/qwen3_30b_a3b_8gpu.yaml")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.ep=8")
+    plan.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="plan for this device (default: cluster.device; `auto` resolves on this machine)",
+    )
+    plan.set_defaults(handler=_plan)
+
     tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
     tiny.add_argument(
         "--arch", required=True, choices=["qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3"]
@@ -79,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(handler=_make_data)
+
+    serve = sub.add_parser(
+        "serve", help="serve an HF checkpoint over SGLang's HTTP API (embedded CPU engine)"
+    )
+    serve.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on control calls")
+    serve.add_argument("--max-running-requests", type=int, default=64)
+    serve.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+    serve.set_defaults(handler=_serve)
 
     convert = sub.add_parser(
         "convert", help="HF <-> Megatron-Core checkpoints", parents=[convert_parser()], add_help=False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 from slimrl.config.checks import resolve_device, train_world_size
@@ -25,6 +26,10 @@ def setup_logging(level: str) -> None:
     )
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_training(config: SlimConfig) -> Path:
     """Run the whole job and return its run directory."""
     import ray
@@ -33,6 +38,7 @@ def run_training(config: SlimConfig) -> Path:
     from slimrl.orchestration.trainer_group import TrainerGroup
 
     setup_logging(config.logging.level)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: Ray and servers stop
     run_dir = prepare_run_dir(config)
     device = resolve_device(config)
     world = train_world_size(config)

@@ -21,6 +21,29 @@ logger = logging.getLogger(__name__)
 DEFAULT_SFT_BATCH = 32
 
 
+def checkpoint_root(config: SlimConfig, run_dir: Path) -> Path:
+    return Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else run_dir / "checkpoints"
+
+
+def should_save(config: SlimConfig, step: int) -> bool:
+    interval = config.checkpoint.save_interval
+    return step == config.train.num_steps or (interval is not None and step % interval == 0)
+
+
+def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: EpochSampler) -> int:
+    """Load the latest complete checkpoint (if resuming); returns the step it was taken at."""
+    from slimrl.trainer.checkpoint import latest_checkpoint, read_driver_state
+
+    latest = latest_checkpoint(root) if config.checkpoint.resume else None
+    if latest is None:
+        return 0
+    trainers.load_checkpoint(latest)
+    state = read_driver_state(latest)
+    sampler.load_state_dict(state["sampler"])
+    logger.info("resumed from %s (step %d)", latest, state["step"])
+    return int(state["step"])
+
+
 def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
     from transformers import AutoTokenizer
 
@@ -46,8 +69,12 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
             f"{trainers.dp_size}"
         )
 
-    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard)
-    progress = tqdm(range(steps), desc="sft", unit="step", dynamic_ncols=True)
+    ckpt_root = checkpoint_root(config, run_dir)
+    start_step = resume(config, ckpt_root, trainers, sampler)
+    writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
+    progress = tqdm(
+        range(start_step, steps), desc="sft", unit="step", dynamic_ncols=True, initial=start_step, total=steps
+    )
     try:
         for step in progress:
             start = time.perf_counter()
@@ -63,5 +90,8 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
             }
             writer.write(step + 1, metrics)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", grad_norm=f"{metrics['grad_norm']:.3f}")
+            if should_save(config, step + 1):
+                state = {"step": step + 1, "sampler": sampler.state_dict()}
+                trainers.save_checkpoint(ckpt_root, step + 1, state, config.checkpoint.keep_last)
     finally:
         writer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
@@ -69,6 +70,17 @@ class TrainerGroup:
             for key, value in result.items():
                 merged.setdefault(key, value)
         return merged
+
+    def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
+        """All ranks write into a fresh temporary directory; then it is published atomically."""
+        from slimrl.trainer.checkpoint import new_tmp_dir, publish
+
+        tmp = new_tmp_dir(root, step)
+        self.run("save_checkpoint", None, str(tmp))
+        return publish(root, tmp, step, driver_state, keep_last)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.run("load_checkpoint", None, str(path))
 
     def shutdown(self) -> None:
         import ray

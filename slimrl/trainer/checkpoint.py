@@ -101,19 +101,42 @@ def save_train_state(actor: MegatronActor, directory: Path) -> None:
     dist.barrier()
 
 
+def _materialise_optimizer_state(optimizer: Any) -> None:
+    """A fresh optimizer has no Adam state yet; the sharded load needs tensors to load into.
+    (Megatron's dummy step may touch the weights; they are loaded right after.)"""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+            inner._init_optimizer_states_with_dummy_values()
+        else:
+            inner.init_state_fn(inner.optimizer, getattr(inner, "config", None))
+
+
+def _restore_adam_step(optimizer: Any, updates: int) -> None:
+    """megatron-core 0.16.1 restores Adam's step counter from `param_groups`, which the
+    dp_reshardable layout does not carry, leaving the dummy value (1): bias correction would then
+    be wrong after a resume. The LR scheduler counts exactly the successful updates."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(getattr(inner, "optimizer", None), "state", {}).values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(updates), dtype=state["step"].dtype)
+
+
 def load_train_state(actor: MegatronActor, directory: Path) -> None:
     """All ranks: restore model, optimizer, schedule (and RNG when the world size matches)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     assert actor.state is not None
+    _materialise_optimizer_state(actor.state.optimizer)
     state = _train_state(actor, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
     modules = [getattr(c, "module", c) for c in actor.state.model]
     for index, module in enumerate(modules):
         module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{index}"], strict=True)
-    actor.state.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 runs step the parameters themselves: they are leaves requiring grad
+        actor.state.optimizer.load_state_dict(loaded["optimizer"])
     actor.state.scheduler.load_state_dict(loaded["scheduler"])
+    _restore_adam_step(actor.state.optimizer, actor.state.scheduler.num_steps)
     actor.steps_done = int(loaded["steps_done"])
     rng = directory / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():

@@ -1,8 +1,9 @@
 """Per-GPU memory plan of a training layout, made before anything starts.
 
-`plan(config)` reads only the HF config.json (no weights, no GPU, no torch) and estimates what
-one training rank holds at its peak; `check_fits(plan)` refuses a layout that cannot fit
-`cluster.gpu_memory_gb` with one line naming the key to change. `slimrl plan CONFIG` prints it.
+`plan(config)` reads only the HF config.json (no weights, no GPU; torch only to resolve
+`cluster.device: auto`) and estimates what one training rank holds at its peak;
+`check_fits(plan)` refuses a layout that cannot fit `cluster.gpu_memory_gb` with one line naming
+the key to change. `slimrl plan CONFIG` prints it.
 
 What is exact and what is estimated (docs/memory_plan.md has the formulas):
 - exact: parameter elements per rank (the same tensors Megatron-Core builds, per pipeline stage,
@@ -662,12 +663,13 @@ def _describe_layout(plan: MemoryPlan) -> str:
 def _notes(plan: MemoryPlan) -> dict[str, str]:
     """The right-hand column: where each term's bytes come from."""
     lay, stage = plan.layout, plan.stages[plan.stage]
+    state = "fp32 main + Adam" if plan.dtype == "bf16" else "Adam m, v (fp32 params step in place)"
     if plan.cpu_offload:
         optimizer = "on the host (train.optimizer.cpu_offload)"
     elif plan.distributed_optimizer:
-        optimizer = f"fp32 main + Adam, sharded over dp*cp={lay.dp * lay.cp}, expert-dp={lay.expert_dp}"
+        optimizer = f"{state}, sharded over dp*cp={lay.dp * lay.cp}, expert-dp={lay.expert_dp}"
     else:
-        optimizer = "fp32 main + Adam, whole on every dp rank"
+        optimizer = f"{state}, whole on every dp rank"
     in_flight = "+".join(map(str, stage.in_flight))
     return {
         "parameters": f"{plan.dtype}, {_count(plan.num_params)} elements "

@@ -1,0 +1,727 @@
+"""The embedded engine: a transformers causal LM behind a continuous-batching scheduler (CPU).
+
+One dedicated thread owns the model. Each scheduler step
+
+1. runs queued control commands (abort, pause, weight loads, ...): they always execute *between*
+   forwards, so a weight update never races a forward;
+2. admits waiting requests up to `max_running_requests`: each is prefilled alone into its own KV
+   cache, its first token is sampled from the prefill logits, and its cache is merged into the
+   running batch (`kv_cache.BatchKV`, left padding + attention mask + explicit position ids);
+3. runs ONE batched decode forward for every running request, samples one token per request
+   (`sampling.sample_step`) and retires finished requests at once (their rows leave the cache).
+
+A request's result therefore depends only on its own prompt, parameters and seed: greedy outputs
+equal a one-request-at-a-time decode token for token (batched and single forwards differ only by
+float rounding, ~1e-6 in logprobs), and seeded sampling draws from a per-request generator.
+Logprobs are read from the distribution each token was sampled from (see `sampling`). With a
+`rescorer`, a finished request's `output_token_logprobs` are replaced by its answer (computed on
+the scheduler thread, only for requests that asked for logprobs).
+
+Weight updates run between two steps without waiting for in-flight requests to drain (SGLang
+waits unless paused): running requests continue under the new weights with their old KV cache,
+exactly like SGLang's `in_place` pause. Pause first (`abort` or `retract`) for clean boundaries.
+
+Routed experts (MoE): a forward pre-hook on every fused-experts module records the `top_k_index`
+its router chose, so a request gets one [moe_layers, top_k] row per token that went through the
+model: prompt + generated - 1 rows (the last sampled token is never fed), like SGLang's
+`routed_experts`. Rows are per MoE layer (all layers for Qwen3-MoE).
+
+Pause modes follow SGLang: "abort" aborts everything in flight; "in_place" freezes the running
+batch with its KV cache; "retract" drops the KV caches and puts the requests back in the queue,
+to be re-prefilled (prompt + tokens so far) after `continue`, so they resume under the weights
+current at that time. "Releasing memory" on CPU drops the KV caches and refuses new generation
+until resumed (the weights stay in RAM: there is no GPU memory to hand back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from slimrl.rollout.embedded.kv_cache import BatchKV
+from slimrl.rollout.embedded.sampling import SamplingParams, sample_step
+from slimrl.rollout.embedded.weights import WeightTargets, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Rescorer = Callable[[list[int], int], list[float]]
+"""(prompt + response token ids, response length) -> one logprob per response token."""
+SampleObserver = Callable[[str, torch.Tensor, int, float], None]
+"""(rid, the [V] log-distribution sampled from, token, reported logprob): a test/debug hook."""
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class EngineError(Exception):
+    """Base class; `status` is the HTTP status the server answers with."""
+
+    status = 500
+
+
+class RequestError(EngineError, ValueError):
+    """The request itself is invalid (bad ids, too long, unsupported option)."""
+
+    status = 400
+
+
+class EngineBusy(EngineError):
+    """The operation needs an idle engine."""
+
+    status = 400
+
+
+class EngineUnavailable(EngineError):
+    """Generation is refused right now (memory released, shutting down)."""
+
+    status = 503
+
+
+def abort_reason(message: str = "Aborted", status_code: int | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+@dataclass(kw_only=True)
+class GenerateRequest:
+    """One prompt to complete (SGLang's `GenerateReqInput` for a single item, already parsed)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+
+@dataclass(kw_only=True)
+class GenerateResult:
+    """Everything the server needs for SGLang's response shape."""
+
+    rid: str
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    """Every sampled token; `output_token_logprobs` aligns with these."""
+    output_ids: list[int]
+    """`generated_ids` minus a matched stop token unless `no_stop_trim` (SGLang's `output_ids`)."""
+    text: str
+    finish_reason: dict[str, Any]
+    output_token_logprobs: list[float]
+    input_token_logprobs: list[float | None] | None
+    """For prompt positions `logprob_start_len..` (first entry None, as SGLang); None if not asked."""
+    input_token_ids: list[int]
+    routed_experts: torch.Tensor | None
+    """int32 [prompt + generated - 1 - start, moe_layers, top_k] when asked."""
+    weight_version: str
+    e2e_latency: float
+    num_retractions: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated_ids)
+
+
+@dataclass(eq=False)
+class _Req:
+    """Scheduler-side state of one request."""
+
+    spec: GenerateRequest
+    future: Future
+    generator: torch.Generator
+    max_new: int
+    arrival: float
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)
+    retractions: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.spec.rid
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.spec.sampling
+
+
+def _token_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' fused-experts modules, in layer order (their forward gets `top_k_index`)."""
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "gate_up_proj", None)
+        if name.endswith(".experts") and isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
+            found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+class Engine:
+    """Load `model_path` and serve generation requests from a scheduler thread.
+
+    Thread-safe API: `submit` / `generate` for requests; `abort`, `pause`, `continue_generation`,
+    `flush_cache`, `release_memory`, `resume_memory`, `update_weights`, `update_weights_from_disk`
+    for control: each runs on the scheduler thread between two steps and returns a
+    `concurrent.futures.Future` of its result (exceptions included).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_running_requests: int = 64,
+        seed: int = 0,
+        rescorer: Rescorer | None = None,
+        weight_version: str = "default",
+        on_sample: SampleObserver | None = None,
+        start: bool = True,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        self.model_path = str(model_path)
+        with _quiet_transformers():
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        self.model = model.eval().requires_grad_(False)
+        self.config = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.context_length = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = frozenset(
+            _token_ids(getattr(self.model.generation_config, "eos_token_id", None))
+            | _token_ids(getattr(self.config, "eos_token_id", None))
+            | _token_ids(self.tokenizer.eos_token_id)
+        )
+        self.targets = WeightTargets(self.model)
+        self.max_running_requests = max_running_requests
+        self.rescorer = rescorer
+        self.on_sample = on_sample
+        self.weight_version = weight_version
+        self.steps = 0
+        """Scheduler steps run so far (tests use it to stagger arrivals)."""
+
+        self._experts = _expert_modules(self.model)
+        self.top_k_experts = int(getattr(self.config, "num_experts_per_tok", 0) or 0)
+        self._routing: list[torch.Tensor | None] | None = None
+        for layer, module in enumerate(self._experts):
+            module.register_forward_pre_hook(self._routing_hook(layer), with_kwargs=True)
+
+        self._seed_rng = random.Random(seed)
+        self._cv = threading.Condition()
+        self._incoming: deque[_Req] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._stopping = False
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._kv = BatchKV()
+        self._paused: str | None = None
+        self._released: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="slimrl-engine-scheduler", daemon=True)
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight (their callers get partial results) and end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self._experts)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self._experts)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerateRequest) -> Future[GenerateResult]:
+        """Queue a request; the future resolves when it finishes (stop, length or abort)."""
+        self.validate(request)
+        if "kv_cache" in self._released:
+            raise EngineUnavailable("memory is released; call resume_memory_occupation before generating")
+        future: Future[GenerateResult] = Future()
+        with self._cv:
+            if self._stopping:
+                raise EngineUnavailable("the engine is shutting down")
+            seed = request.sampling.sampling_seed
+            if seed is None:
+                seed = self._seed_rng.randrange(1 << 63)
+            generator = torch.Generator().manual_seed(int(seed) & ((1 << 64) - 1))
+            max_new = min(request.sampling.max_new_tokens, self.context_length - len(request.input_ids))
+            req = _Req(
+                spec=request, future=future, generator=generator, max_new=max_new, arrival=time.monotonic()
+            )
+            self._incoming.append(req)
+            self._cv.notify_all()
+        return future
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self.submit(request).result(timeout)
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise RequestError if `submit` would refuse this request."""
+        ids = request.input_ids
+        if not ids:
+            raise RequestError("input_ids is empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise RequestError(
+                f"the input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)"
+            )
+        if request.return_routed_experts and not self.is_moe:
+            raise RequestError("return_routed_experts: the model has no routed experts")
+        if not 0 <= request.routed_experts_start_len <= len(ids):
+            raise RequestError(f"routed_experts_start_len must be in [0, {len(ids)}]")
+        try:
+            request.sampling.validate()
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    # ------------------------------------------------------------------ control (scheduler thread)
+
+    def call_async(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the scheduler thread between two steps."""
+        future: Future[T] = Future()
+        with self._cv:
+            if self._stopping or (not self._thread.is_alive() and self._thread.ident is not None):
+                future.set_exception(EngineUnavailable("the engine is shutting down"))
+                return future
+            self._commands.append((fn, future))
+            self._cv.notify_all()
+        return future
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> Future[int]:
+        """Abort requests whose rid starts with `rid` (or all); resolves to how many."""
+        return self.call_async(lambda: self._abort(rid, abort_all))
+
+    def pause(self, mode: str = "abort") -> Future[None]:
+        return self.call_async(lambda: self._pause(mode))
+
+    def continue_generation(self) -> Future[None]:
+        return self.call_async(self._continue)
+
+    def flush_cache(self) -> Future[bool]:
+        """True when idle (there is no prefix cache to flush); False while requests hold KV."""
+        return self.call_async(self._flush_cache)
+
+    def release_memory(self, tags: Iterable[str] | None = None) -> Future[None]:
+        return self.call_async(lambda: self._release(tags))
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> Future[None]:
+        return self.call_async(lambda: self._resume(tags))
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> Future[int]:
+        """Load HF-named tensors into the live model between steps; see `weights.WeightTargets`."""
+        items = list(named_tensors)
+        return self.call_async(lambda: self._load(lambda: self.targets.load(items), weight_version))
+
+    def update_weights_from_disk(
+        self, model_path: str | Path, weight_version: str | None = None
+    ) -> Future[int]:
+        return self.call_async(
+            lambda: self._load(lambda: load_checkpoint(self.targets, model_path), weight_version)
+        )
+
+    def set_weight_version(self, version: str) -> Future[None]:
+        return self.call_async(lambda: setattr(self, "weight_version", str(version)))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Future[list[float]]:
+        return self.call_async(lambda: self.targets.get(name).detach().reshape(-1)[:truncate_size].tolist())
+
+    def load_info(self) -> dict[str, Any]:
+        """Counts for /get_load and /v1/loads (read without locking: approximate by nature)."""
+        return {
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": len(self._waiting) + len(self._incoming),
+            "num_used_tokens": self._kv.num_tokens(),
+            "paused": self._paused,
+            "released": sorted(self._released),
+        }
+
+    # ------------------------------------------------------------------ command bodies
+
+    def _abort(self, rid: str | None, abort_all: bool, message: str = "Aborted") -> int:
+        if not abort_all and not rid:
+            return 0
+
+        def hit(req: _Req) -> bool:
+            return abort_all or req.rid.startswith(rid or "")
+
+        count = 0
+        kept_waiting: deque[_Req] = deque()
+        for req in self._waiting:
+            if hit(req):
+                self._finish(req, abort_reason(message))
+                count += 1
+            else:
+                kept_waiting.append(req)
+        self._waiting = kept_waiting
+        keep = []
+        for row, req in enumerate(self._running):
+            if hit(req):
+                self._finish(req, abort_reason(message))
+                count += 1
+            else:
+                keep.append(row)
+        self._retire(keep)
+        return count
+
+    def _pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if mode == "abort":
+            self._abort(None, True)
+        elif mode == "retract":
+            for req in reversed(self._running):
+                req.retractions += 1
+                self._waiting.appendleft(req)
+            self._running = []
+            self._kv.clear()
+        self._paused = mode
+
+    def _continue(self) -> None:
+        self._paused = None
+
+    def _busy(self) -> bool:
+        return bool(self._running) or (self._paused is None and bool(self._waiting))
+
+    def _flush_cache(self) -> bool:
+        return not self._busy()
+
+    def _release(self, tags: Iterable[str] | None) -> None:
+        tags = self._check_tags(tags)
+        if self._running or self._waiting:
+            raise EngineBusy(
+                f"cannot release memory with {len(self._running) + len(self._waiting)} request(s) in flight"
+            )
+        self._kv.clear()
+        self._released |= tags
+
+    def _resume(self, tags: Iterable[str] | None) -> None:
+        self._released -= self._check_tags(tags)
+
+    @staticmethod
+    def _check_tags(tags: Iterable[str] | None) -> set[str]:
+        chosen = set(tags or MEMORY_TAGS)
+        unknown = chosen - set(MEMORY_TAGS)
+        if unknown:
+            raise RequestError(f"unknown memory tag(s) {sorted(unknown)}; valid: {', '.join(MEMORY_TAGS)}")
+        return chosen
+
+    def _load(self, load: Callable[[], int], weight_version: str | None) -> int:
+        count = load()
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return count
+
+    # ------------------------------------------------------------------ scheduler loop
+
+    def _can_step(self) -> bool:
+        return (
+            self._paused is None and "kv_cache" not in self._released and bool(self._waiting or self._running)
+        )
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            try:
+                while True:
+                    with self._cv:
+                        while not (self._stopping or self._commands or self._incoming or self._can_step()):
+                            self._cv.wait()
+                        if self._stopping:
+                            break
+                        commands = list(self._commands)
+                        self._commands.clear()
+                        self._waiting.extend(self._incoming)
+                        self._incoming.clear()
+                    for fn, future in commands:
+                        self._run_command(fn, future)
+                    if self._can_step():
+                        self._step()
+            finally:
+                self._shutdown()
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        for req in [*self._running, *self._waiting]:
+            self._finish(req, abort_reason("The server is shutting down", 503))
+        self._running, self._waiting = [], deque()
+        self._kv.clear()
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable("the engine is shutting down"))
+
+    def _step(self) -> None:
+        try:
+            while self._waiting and len(self._running) < self.max_running_requests:
+                req = self._waiting.popleft()
+                try:
+                    self._prefill(req)
+                except Exception as exc:
+                    self._fail(req, exc)
+            if self._running:
+                self._decode()
+        except Exception as exc:
+            running, self._running = self._running, []
+            self._kv.clear()
+            for req in running:
+                self._fail(req, exc)
+        self.steps += 1
+
+    def _fail(self, req: _Req, exc: Exception) -> None:
+        log.error("request %s failed: %s", req.rid, "".join(traceback.format_exception(exc)))
+        if not req.future.done():
+            req.future.set_exception(EngineError(f"request {req.rid} failed: {' '.join(str(exc).split())}"))
+
+    # ------------------------------------------------------------------ forwards
+
+    def _routing_hook(self, layer: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._routing is not None:
+                index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                self._routing[layer] = index.detach().to(torch.int32).clone()
+
+        return hook
+
+    def _forward(self, want_routing: bool, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, V] and, if asked, routing [B*T, moe_layers, top_k] of one forward."""
+        self._routing = [None] * len(self._experts) if want_routing and self._experts else None
+        try:
+            out = self.model(**inputs, use_cache=True)
+            routing = torch.stack(self._routing, dim=1) if self._routing is not None else None  # type: ignore[arg-type]
+        finally:
+            self._routing = None
+        return out.logits.float(), routing
+
+    def _prefill(self, req: _Req) -> None:
+        from transformers import DynamicCache
+
+        resumed = bool(req.output)
+        tokens = req.spec.input_ids + req.output[:-1]
+        want_input_lp = req.spec.return_logprob and req.spec.logprob_start_len >= 0 and not resumed
+        cache = DynamicCache()
+        logits, routing = self._forward(
+            req.spec.return_routed_experts,
+            input_ids=torch.tensor([tokens], dtype=torch.long),
+            past_key_values=cache,
+            logits_to_keep=0 if want_input_lp else 1,
+        )
+        if routing is not None:
+            req.routing = [routing]  # a re-prefill recomputes every row: keep what the model now saw
+        if want_input_lp:
+            req.input_logprobs = self._input_logprobs(req, logits[0])
+        if resumed:
+            self._join(req, cache)
+            return
+        if req.max_new == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        sample = sample_step(logits[0, -1:], [req.params], [req.generator], [self._suppressed(req)])
+        self._accept(req, sample.tokens[0], sample.logprobs[0], sample.distributions[0])
+        reason = self._finish_reason(req)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self._join(req, cache)
+
+    def _input_logprobs(self, req: _Req, logits: torch.Tensor) -> list[float | None]:
+        prompt = req.spec.input_ids
+        start = min(req.spec.logprob_start_len, len(prompt) - 1)
+        scaled = logits[start : len(prompt) - 1] / req.params.effective_temperature
+        dist = torch.log_softmax(scaled, dim=-1)
+        targets = torch.tensor(prompt[start + 1 :], dtype=torch.long)
+        values = dist.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
+        return [None, *values]
+
+    def _join(self, req: _Req, cache: Any) -> None:
+        self._running.append(req)
+        self._kv.add(cache)
+
+    def _decode(self) -> None:
+        running = self._running
+        logits, routing = self._forward(
+            any(r.spec.return_routed_experts for r in running),
+            input_ids=torch.tensor([[r.output[-1]] for r in running], dtype=torch.long),
+            attention_mask=self._kv.attention_mask(),
+            position_ids=self._kv.position_ids(),
+            past_key_values=self._kv.cache,
+        )
+        self._kv.grew()
+        sample = sample_step(
+            logits[:, -1],
+            [r.params for r in running],
+            [r.generator for r in running],
+            [self._suppressed(r) for r in running],
+        )
+        keep = []
+        for row, req in enumerate(running):
+            if routing is not None and req.spec.return_routed_experts:
+                req.routing.append(routing[row : row + 1])
+            self._accept(req, sample.tokens[row], sample.logprobs[row], sample.distributions[row])
+            reason = self._finish_reason(req)
+            if reason is None:
+                keep.append(row)
+            else:
+                self._finish(req, reason)
+        self._retire(keep)
+
+    def _retire(self, keep: list[int]) -> None:
+        """Keep only the running rows `keep` (finished/aborted rows leave the batch now)."""
+        if len(keep) != len(self._running):
+            self._running = [self._running[row] for row in keep]
+            self._kv.keep(keep)
+
+    # ------------------------------------------------------------------ per-request bookkeeping
+
+    def _suppressed(self, req: _Req) -> tuple[int, ...]:
+        p = req.params
+        if p.ignore_eos or len(req.output) >= p.min_new_tokens:
+            return ()
+        return tuple(sorted(self.eos_token_ids | set(p.stop_token_ids)))
+
+    def _accept(self, req: _Req, token: int, logprob: float, dist: torch.Tensor) -> None:
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        if self.on_sample is not None:
+            self.on_sample(req.rid, dist, token, logprob)
+
+    def _finish_reason(self, req: _Req) -> dict[str, Any] | None:
+        """SGLang's order: length first, then stop tokens, then stop strings."""
+        p, n = req.params, len(req.output)
+        if n >= req.max_new:
+            return {"type": "length", "length": n}
+        if n < p.min_new_tokens:
+            return None
+        token = req.output[-1]
+        if not p.ignore_eos and (token in self.eos_token_ids or token in p.stop_token_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            window = max(len(s) for s in p.stop) + 1
+            tail = self.tokenizer.decode(req.output[-window:], skip_special_tokens=p.skip_special_tokens)
+            for stop in p.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def _finish(self, req: _Req, reason: dict[str, Any]) -> None:
+        if req.future.done():
+            return
+        try:
+            result = self._result(req, reason)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        req.future.set_result(result)
+
+    def _result(self, req: _Req, reason: dict[str, Any]) -> GenerateResult:
+        p, spec = req.params, req.spec
+        generated = list(req.output)
+        matched = reason.get("matched")
+        trim = reason["type"] == "stop" and not p.no_stop_trim
+        output_ids = generated[:-1] if trim and isinstance(matched, int) and generated else generated
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=p.skip_special_tokens)
+        if trim and isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]
+        logprobs = list(req.logprobs)
+        if self.rescorer is not None and spec.return_logprob and generated:
+            logprobs = [float(x) for x in self.rescorer(spec.input_ids + generated, len(generated))]
+            if len(logprobs) != len(generated):
+                raise EngineError(f"rescorer returned {len(logprobs)} logprobs for {len(generated)} tokens")
+        return GenerateResult(
+            rid=req.rid,
+            prompt_ids=list(spec.input_ids),
+            generated_ids=generated,
+            output_ids=output_ids,
+            text=text,
+            finish_reason=reason,
+            output_token_logprobs=logprobs,
+            input_token_logprobs=req.input_logprobs,
+            input_token_ids=spec.input_ids[max(min(spec.logprob_start_len, len(spec.input_ids) - 1), 0) :],
+            routed_experts=self._routed_rows(req) if spec.return_routed_experts else None,
+            weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - req.arrival,
+            num_retractions=req.retractions,
+        )
+
+    def _routed_rows(self, req: _Req) -> torch.Tensor:
+        """Rows for positions start .. seq_len-2: every token that went through the model."""
+        shape = (0, self.num_moe_layers, self.top_k_experts)
+        rows = torch.cat(req.routing) if req.routing else torch.zeros(shape, dtype=torch.int32)
+        seq_len = len(req.spec.input_ids) + len(req.output)
+        return rows[req.spec.routed_experts_start_len : max(seq_len - 1, 0)].contiguous()

@@ -1,0 +1,105 @@
+"""The running batch's KV cache: one left-padded transformers `DynamicCache` for all requests.
+
+Every request's cached keys/values end at the same column (the right edge), so one decode forward
+appends one column for everybody. Row i has `pads[i]` unused columns on the left, hidden by the 2-D
+attention mask; its RoPE positions come from explicit `position_ids` (= its real token count), so
+padding changes neither what a token attends to nor its position. This is the layout transformers'
+own batched `generate` uses, which is why its attention/mask code handles it exactly.
+
+* admission: a request is prefilled alone into its own cache, then `add` left-pads whichever side
+  is shorter and concatenates along the batch dimension;
+* exit: `keep` drops rows and then strips the columns that are padding in every remaining row.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def _layers(cache: DynamicCache) -> list:
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+            raise TypeError(f"unsupported cache layer {type(layer).__name__} for batched decoding")
+    return list(cache.layers)
+
+
+def _left_pad(t: torch.Tensor, columns: int) -> torch.Tensor:
+    if columns == 0:
+        return t
+    shape = list(t.shape)
+    shape[-2] = columns
+    return torch.cat([t.new_zeros(shape), t], dim=-2)
+
+
+class BatchKV:
+    """KV cache + padding bookkeeping of the rows of the running batch (row order = request order)."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.pads: list[int] = []
+        self.length = 0
+        """Columns in the cache (the same for every layer)."""
+
+    def __len__(self) -> int:
+        return len(self.pads)
+
+    def real_lengths(self) -> list[int]:
+        """Tokens actually cached per row."""
+        return [self.length - pad for pad in self.pads]
+
+    def add(self, single: DynamicCache) -> None:
+        """Append a request's own cache (batch size 1) as the last row."""
+        new_len = single.get_seq_length()
+        if self.cache is None:
+            self.cache, self.pads, self.length = single, [0], new_len
+            return
+        grow = max(new_len - self.length, 0)
+        for mine, theirs in zip(_layers(self.cache), _layers(single), strict=True):
+            their_pad = self.length + grow - new_len
+            mine.keys = torch.cat([_left_pad(mine.keys, grow), _left_pad(theirs.keys, their_pad)], dim=0)
+            mine.values = torch.cat(
+                [_left_pad(mine.values, grow), _left_pad(theirs.values, their_pad)], dim=0
+            )
+        self.pads = [pad + grow for pad in self.pads] + [self.length + grow - new_len]
+        self.length += grow
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order); drop columns that became padding for every row."""
+        if not rows:
+            self.clear()
+            return
+        if rows == list(range(len(self.pads))):
+            return
+        assert self.cache is not None
+        index = torch.tensor(rows, dtype=torch.long)
+        pads = [self.pads[r] for r in rows]
+        strip = min(pads)
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys.index_select(0, index)[..., strip:, :]
+            layer.values = layer.values.index_select(0, index)[..., strip:, :]
+        self.pads = [pad - strip for pad in pads]
+        self.length -= strip
+
+    def grew(self) -> None:
+        """Record that a decode forward appended one column to every row."""
+        self.length += 1
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """[B, length + 1] for the next decode step, or None when no row is padded."""
+        if not any(self.pads):
+            return None
+        mask = torch.ones(len(self.pads), self.length + 1, dtype=torch.long)
+        for row, pad in enumerate(self.pads):
+            mask[row, :pad] = 0
+        return mask
+
+    def position_ids(self) -> torch.Tensor:
+        """[B, 1]: the position of each row's next token (its number of cached real tokens)."""
+        return torch.tensor(self.real_lengths(), dtype=torch.long).unsqueeze(1)
+
+    def clear(self) -> None:
+        self.cache, self.pads, self.length = None, [], 0
+
+    def num_tokens(self) -> int:
+        return sum(self.real_lengths())

@@ -1,0 +1,673 @@
+"""`slimrl serve`: the embedded engine behind SGLang's native HTTP API (aiohttp, one process).
+
+The server listens at once and loads the model in a background thread, so `/health` answers 503
+until the engine is ready, as SGLang's does. Request/response JSON follows SGLang (see
+the SGLang HTTP API reference, `sglang_http_api.md`); the deliberate differences:
+
+* `/health` is a liveness check (model loaded, scheduler alive); `/health_generate` runs a real
+  one-token generation (or answers 200 at once while generation is paused or memory released);
+* control endpoints always answer JSON `{"success": bool, "message": str}` (SGLang returns empty
+  bodies, plain text or `null` for some of them); every error body is JSON with a one-line message;
+* there is no prefix cache: `cached_tokens` is 0 and `flush_cache` only checks idleness;
+* `init_weights_update_group` supports `backend: "gloo"` only (CPU); ranks join a standalone group
+  made by `tensor_transport.init_weight_update_group`, which the trainer side must use as well;
+* `version` reports the SGLang API level mirrored (0.5.23); `engine` names this implementation.
+
+With `--api-key`, every endpoint except generation, health and the read-only info/load endpoints
+needs `Authorization: Bearer <key>` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+import slimrl
+from slimrl.rollout.embedded import tensor_transport
+from slimrl.rollout.embedded.engine import Engine, EngineError, GenerateRequest, RequestError
+from slimrl.rollout.embedded.protocol import generate_response, parse_generate
+from slimrl.rollout.embedded.sampling import SamplingParams
+from slimrl.rollout.embedded.weights import WeightUpdateError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SGLANG_API_VERSION = "0.5.23"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+OPEN_PATHS = frozenset(
+    {
+        "/generate",
+        "/health",
+        "/health_generate",
+        "/ping",
+        "/ready",
+        "/get_model_info",
+        "/model_info",
+        "/get_server_info",
+        "/server_info",
+        "/get_load",
+        "/v1/loads",
+        "/get_weight_version",
+    }
+)
+"""Endpoints that need no API key: generation, health and read-only information."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_running_requests: int = 64
+    seed: int = 0
+    weight_version: str = "default"
+    group_timeout_s: float = 120.0
+
+
+class HttpError(Exception):
+    """An error answered as JSON with `status`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = " ".join(message.split())
+
+
+def _error_body(status: int, message: str, control: bool) -> dict[str, Any]:
+    message = " ".join(str(message).split()) or "error"
+    if control:
+        return {"success": False, "message": message}
+    return {"error": {"message": message, "code": status}}
+
+
+def _ok(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """Run blocking `fn` in a daemon thread (a hung gloo call must not block interpreter exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(lambda e=exc: future.done() or future.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=run, name="slimrl-serve-blocking", daemon=True).start()
+    return await future
+
+
+async def _json_body(request: web.Request, *, required: bool = False) -> dict[str, Any]:
+    """The JSON object body; an empty body or `null` is `{}` unless `required`."""
+    raw = await request.text()
+    if not raw.strip():
+        if required:
+            raise HttpError(400, "request body is empty; expected a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise HttpError(400, f"malformed JSON body: {exc}") from None
+    if body is None and not required:
+        return {}
+    if not isinstance(body, dict):
+        raise HttpError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """`body[key]` checked against `kind` (bool is not an int here); a missing key is `default`."""
+    value = body.get(key)
+    if value is None:
+        if default is ...:
+            raise HttpError(400, f"missing required field `{key}`")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise HttpError(400, f"field `{key}`: invalid type {type(value).__name__}, expected {expected}")
+    return value
+
+
+class EmbeddedServer:
+    """The aiohttp application plus the engine it loads in the background."""
+
+    def __init__(self, args: ServerArgs, engine_factory: Callable[[], Engine] | None = None) -> None:
+        self.args = args
+        self._engine_factory = engine_factory or self._make_engine
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.ready = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.started_at = time.time()
+        self._groups: dict[str, tensor_transport.WeightUpdateGroup] = {}
+        self._group_lock = asyncio.Lock()
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ app
+
+    def _make_engine(self) -> Engine:
+        return Engine(
+            self.args.model_path,
+            max_running_requests=self.args.max_running_requests,
+            seed=self.args.seed,
+            weight_version=self.args.weight_version,
+        )
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 30)
+        routes: list[tuple[tuple[str, ...], str, Handler]] = [
+            (("POST", "PUT"), "/generate", self.generate),
+            (("GET",), "/health", self.health),
+            (("GET",), "/health_generate", self.health_generate),
+            (("GET",), "/ping", self.ping),
+            (("GET",), "/ready", self.ready_check),
+            (("GET", "POST"), "/get_model_info", self.model_info),
+            (("GET", "POST"), "/model_info", self.model_info),
+            (("GET", "POST"), "/get_server_info", self.server_info),
+            (("GET", "POST"), "/server_info", self.server_info),
+            (("GET",), "/get_load", self.get_load),
+            (("GET",), "/v1/loads", self.v1_loads),
+            (("GET",), "/get_weight_version", self.get_weight_version),
+            (("GET", "POST"), "/flush_cache", self.flush_cache),
+            (("POST",), "/abort_request", self.abort_request),
+            (("POST",), "/pause_generation", self.pause_generation),
+            (("POST",), "/continue_generation", self.continue_generation),
+            (("GET", "POST"), "/release_memory_occupation", self.release_memory),
+            (("GET", "POST"), "/resume_memory_occupation", self.resume_memory),
+            (("POST",), "/update_weights_from_disk", self.update_weights_from_disk),
+            (("POST",), "/update_weights_from_tensor", self.update_weights_from_tensor),
+            (("POST",), "/init_weights_update_group", self.init_weights_update_group),
+            (("POST",), "/update_weights_from_distributed", self.update_weights_from_distributed),
+            (("POST",), "/destroy_weights_update_group", self.destroy_weights_update_group),
+            (("POST",), "/update_weight_version", self.update_weight_version),
+            (("GET", "POST"), "/get_weights_by_name", self.get_weights_by_name),
+            (("POST",), "/begin_weight_update", self.weight_update_session),
+            (("POST",), "/end_weight_update", self.weight_update_session),
+        ]
+        for methods, path, handler in routes:
+            for method in methods:
+                app.router.add_route(method, path, handler)
+        self._control_paths = frozenset(path for _, path, _ in routes) - OPEN_PATHS
+        return app
+
+    def _is_control(self, path: str) -> bool:
+        """Control endpoints answer `{"success", "message"}` and need the API key."""
+        return path in self._control_paths
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error becomes JSON with a one-line message."""
+        control = self._is_control(request.path)
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            status, message = exc.status, exc.message
+        except (RequestError, WeightUpdateError) as exc:
+            status, message = 400, str(exc)
+        except EngineError as exc:
+            status, message = exc.status, str(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            status, message = exc.status, exc.reason
+        except Exception as exc:
+            log.exception("unhandled error on %s", request.path)
+            status, message = 500, f"{type(exc).__name__}: {exc}"
+        return web.json_response(_error_body(status, message, control), status=status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.args.api_key
+        if key and self._is_control(request.path):
+            header = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
+                raise HttpError(401, "Unauthorized: missing or invalid API key")
+        return await handler(request)
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise HttpError(503, self.load_error or "the model is still loading")
+        return self.engine
+
+    @staticmethod
+    async def _wait(future: Any) -> Any:
+        """Await a scheduler-thread command (`concurrent.futures.Future`)."""
+        return await asyncio.wrap_future(future)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load_engine_in_background(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            try:
+                engine = self._engine_factory()
+            except Exception as exc:
+                message = f"cannot load model {self.args.model_path}: {' '.join(str(exc).split())}"
+                loop.call_soon_threadsafe(self._load_failed, message)
+                return
+            loop.call_soon_threadsafe(self._loaded, engine)
+
+        threading.Thread(target=load, name="slimrl-serve-load", daemon=True).start()
+
+    def _loaded(self, engine: Engine) -> None:
+        if self.stopped.is_set():
+            engine.stop()
+            return
+        self.engine = engine
+        self.ready.set()
+
+    def _load_failed(self, message: str) -> None:
+        self.load_error = message
+        self.stopped.set()
+
+    def shutdown_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+        for group in self._groups.values():
+            group.destroy()
+        self._groups.clear()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        parsed = parse_generate(await _json_body(request, required=True), engine.tokenizer)
+        for req in parsed.requests:
+            engine.validate(req)
+        futures = [engine.submit(req) for req in parsed.requests]
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:  # the client went away: free the engine, as SGLang does
+            for req in parsed.requests:
+                with contextlib.suppress(EngineError):
+                    engine.abort(req.rid)
+            raise
+        for result in results:
+            code = result.finish_reason.get("status_code")
+            if result.finish_reason["type"] == "abort" and code is not None and code >= 400:
+                raise HttpError(code, result.finish_reason.get("message", "aborted"))
+        items = [
+            generate_response(result, req, parsed, engine.tokenizer)
+            for result, req in zip(results, parsed.requests, strict=True)
+        ]
+        return web.json_response(items if parsed.is_batch else items[0])
+
+    # ------------------------------------------------------------------ health and info
+
+    async def health(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        if not engine.alive:
+            raise HttpError(503, "the scheduler thread is not running")
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        if not engine.alive:
+            raise HttpError(503, "the scheduler thread is not running")
+        state = engine.load_info()
+        if state["paused"] or "kv_cache" in state["released"]:
+            return web.Response(status=200)
+        probe = GenerateRequest(
+            input_ids=[0],
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        )
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit(probe)), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise HttpError(503, "health check generation timed out") from None
+        return web.Response(status=200)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready_check(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        if engine.load_info()["paused"]:
+            raise HttpError(503, "generation is paused")
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        return web.json_response(
+            {
+                "model_path": engine.model_path,
+                "tokenizer_path": engine.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": engine.weight_version,
+                "served_model_name": engine.model_path,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(engine.config, "model_type", None),
+                "architectures": getattr(engine.config, "architectures", None),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        state = engine.load_info()
+        return web.json_response(
+            {
+                "model_path": engine.model_path,
+                "tokenizer_path": engine.model_path,
+                "served_model_name": engine.model_path,
+                "host": self.args.host,
+                "port": self.args.port,
+                "tp_size": 1,
+                "dp_size": 1,
+                "pp_size": 1,
+                "ep_size": 1,
+                "nnodes": 1,
+                "num_gpus": 0,
+                "device": "cpu",
+                "dtype": "float32",
+                "disaggregation_mode": "null",
+                "disaggregation_bootstrap_port": None,
+                "encoder_only": False,
+                "enable_memory_saver": False,
+                "enable_return_routed_experts": engine.is_moe,
+                "weight_version": engine.weight_version,
+                "random_seed": self.args.seed,
+                "max_running_requests": engine.max_running_requests,
+                "context_length": engine.context_length,
+                "max_req_input_len": engine.context_length - 1,
+                "max_total_num_tokens": engine.context_length * engine.max_running_requests,
+                "internal_states": [{"num_running_reqs": state["num_running_reqs"]}],
+                "version": SGLANG_API_VERSION,
+                "engine": f"slimrl-embedded {slimrl.__version__}",
+                "startup_time": self.started_at,
+                "frontend": "python",
+            }
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        state = self._engine().load_info()
+        running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": running + waiting,
+                    "num_waiting_reqs": waiting,
+                    "num_tokens": state["num_used_tokens"],
+                }
+            ]
+        )
+
+    async def v1_loads(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        state = engine.load_info()
+        total = engine.context_length * engine.max_running_requests
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": state["num_running_reqs"],
+            "num_waiting_reqs": state["num_waiting_reqs"],
+            "num_used_tokens": state["num_used_tokens"],
+            "num_total_tokens": total,
+            "max_total_num_tokens": total,
+            "token_usage": state["num_used_tokens"] / total,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": state["num_running_reqs"] / engine.max_running_requests,
+        }
+        return web.json_response(
+            {
+                "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                "version": SGLANG_API_VERSION,
+                "accelerator": "cpu",
+                "num_accelerators": 0,
+                "loads": [load],
+            }
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self._engine().weight_version})
+
+    # ------------------------------------------------------------------ scheduling control
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        if await self._wait(engine.flush_cache()):
+            return _ok("Cache flushed.")
+        raise HttpError(400, "Cache not flushed: requests are still running")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        body = await _json_body(request)
+        rid = _field(body, "rid", str, "")
+        abort_all = _field(body, "abort_all", bool, False)
+        count = await self._wait(engine.abort(rid, abort_all))
+        return _ok(f"aborted {count} request(s)")
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        mode = _field(await _json_body(request), "mode", str, "abort")
+        await self._wait(engine.pause(mode))
+        return _ok("Generation paused successfully.", status="ok")
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        await _json_body(request)
+        await self._wait(engine.continue_generation())
+        return _ok("Generation continued successfully.", status="ok")
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        tags = _field(await _json_body(request), "tags", list, None)
+        await self._wait(engine.release_memory(tags))
+        return _ok("KV cache released; generation is refused until resume_memory_occupation.")
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        tags = _field(await _json_body(request), "tags", list, None)
+        await self._wait(engine.resume_memory(tags))
+        return _ok("Memory resumed.")
+
+    # ------------------------------------------------------------------ weights
+
+    async def _before_update(self, engine: Engine, body: dict[str, Any]) -> str | None:
+        """Common options of the weight-update endpoints; returns the new weight version."""
+        if _field(body, "abort_all_requests", bool, False):
+            await self._wait(engine.abort(abort_all=True))
+        _field(body, "flush_cache", bool, True)  # no prefix cache: nothing to flush
+        version = body.get("weight_version")
+        return None if version is None else str(version)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        body = await _json_body(request, required=True)
+        path = _field(body, "model_path", str)
+        version = await self._before_update(engine, body)
+        try:
+            count = await self._wait(engine.update_weights_from_disk(path, version))
+        except WeightUpdateError as exc:
+            return web.json_response(
+                {"success": False, "message": str(exc), "num_paused_requests": 0}, status=400
+            )
+        return _ok(f"Succeeded to update model weights ({count} tensors).", num_paused_requests=0)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        body = await _json_body(request, required=True)
+        payloads = _field(body, "serialized_named_tensors", list)
+        load_format = _field(body, "load_format", str, None)
+        if not payloads or not isinstance(payloads[0], str):
+            raise HttpError(400, "serialized_named_tensors must be a non-empty list of base64 strings")
+        version = await self._before_update(engine, body)
+        # tp_size is 1: this engine's rank reads entry 0, as SGLang's TP rank 0 does.
+        try:
+            named = await _in_thread(lambda: tensor_transport.decode_update_payload(payloads[0], load_format))
+        except ValueError as exc:
+            raise HttpError(400, f"serialized_named_tensors[0]: {exc}") from None
+        count = await self._wait(engine.update_weights(named, version))
+        del named
+        return _ok(f"Succeeded to update model weights ({count} tensors).")
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        self._engine()
+        body = await _json_body(request, required=True)
+        address = _field(body, "master_address", str)
+        port = _field(body, "master_port", int)
+        rank_offset = _field(body, "rank_offset", int)
+        world_size = _field(body, "world_size", int)
+        name = _field(body, "group_name", str, "weight_update_group")
+        backend = _field(body, "backend", str, "gloo")
+        if backend != "gloo":
+            raise HttpError(400, f"backend `{backend}` is not available on the CPU engine; use gloo")
+        if name in self._groups:
+            raise HttpError(400, f"weight update group `{name}` already exists; destroy it first")
+        try:
+            group = await _in_thread(
+                lambda: tensor_transport.init_weight_update_group(
+                    address, port, rank_offset, world_size, name, self.args.group_timeout_s
+                )
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise HttpError(400, f"cannot join weight update group `{name}`: {exc}") from None
+        self._groups[name] = group
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        import torch
+
+        engine = self._engine()
+        body = await _json_body(request, required=True)
+        names = _field(body, "names", list)
+        dtype_names = _field(body, "dtypes", list)
+        shapes = _field(body, "shapes", list)
+        name = _field(body, "group_name", str, "weight_update_group")
+        load_format = _field(body, "load_format", str, None)
+        if not len(names) == len(dtype_names) == len(shapes):
+            raise HttpError(400, "names, dtypes and shapes must have the same length")
+        dtypes = []
+        for dtype_name in dtype_names:
+            dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise HttpError(400, f"unknown dtype `{dtype_name}`")
+            dtypes.append(dtype)
+        if load_format not in (None, "flattened_bucket"):
+            raise HttpError(400, f"load_format `{load_format}` is not supported")
+        group = self._groups.get(name)
+        if group is None:
+            raise HttpError(400, f"weight update group `{name}` does not exist")
+        version = await self._before_update(engine, body)
+
+        def receive() -> list[tuple[str, Any]]:
+            if load_format == "flattened_bucket":
+                _, total = tensor_transport.flattened_layout(dtypes, shapes)
+                flat = group.broadcast(torch.empty(total, dtype=torch.uint8), src=0)
+                return tensor_transport.split_flat_buffer(flat, names, dtypes, shapes)
+            return [
+                (n, group.broadcast(torch.empty(tuple(s), dtype=d), src=0))
+                for n, d, s in zip(names, dtypes, shapes, strict=True)
+            ]
+
+        async with self._group_lock:  # broadcasts of two updates must not interleave
+            named = await _in_thread(receive)
+        count = await self._wait(engine.update_weights(named, version))
+        return _ok(f"Succeeded to update model weights ({count} tensors).")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = _field(await _json_body(request), "group_name", str, "weight_update_group")
+        group = self._groups.pop(name, None)
+        if group is None:
+            raise HttpError(400, f"weight update group `{name}` does not exist")
+        group.destroy()
+        return _ok(f"Succeeded to destroy custom process group `{name}`.")
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        body = await _json_body(request, required=True)
+        version = str(_field(body, "new_version", (str, int)))
+        if _field(body, "abort_all_requests", bool, True):
+            await self._wait(engine.abort(abort_all=True))
+        await self._wait(engine.set_weight_version(version))
+        return _ok(f"Weight version updated to {version}", new_version=version)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        body = await _json_body(request) if request.method == "POST" else dict(request.query)
+        name = _field(body, "name", str)
+        size = int(body.get("truncate_size", 100))
+        values = await self._wait(engine.get_weights_by_name(name, size))
+        return web.json_response(values)
+
+    async def weight_update_session(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's begin/end_weight_update: nothing to restore or post-process here."""
+        self._engine()
+        await _json_body(request)
+        return _ok("ok")
+
+
+async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
+    """Listen, load, announce readiness, and run until SIGTERM/SIGINT (then shut down cleanly)."""
+    server = EmbeddedServer(args)
+    runner = web.AppRunner(server.app, handle_signals=False, access_log=None, shutdown_timeout=3.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise EngineError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stopped.set)
+    server.load_engine_in_background()
+    try:
+        ready = asyncio.ensure_future(server.ready.wait())
+        stopped = asyncio.ensure_future(server.stopped.wait())
+        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if server.ready.is_set() and not server.stopped.is_set() and on_ready is not None:
+            on_ready(f"http://{args.host}:{args.port}")
+        await stopped
+        ready.cancel()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        server.shutdown_engine()
+        await runner.cleanup()
+    if server.load_error:
+        raise EngineError(server.load_error)
+
+
+def run(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
+    """Blocking entry point for the CLI."""
+    tensor_transport.use_file_system_sharing()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(max(int(threads), 1))
+    asyncio.run(serve(args, on_ready))
+
+
+__all__ = ["EmbeddedServer", "ServerArgs", "run", "serve"]

@@ -140,7 +140,14 @@ def _check_parallel(config: SlimConfig) -> None:
         if config.parallel.moe_token_dispatcher == "flex":
             raise ConfigError("parallel.moe_token_dispatcher=flex: DeepEP needs GPUs; use alltoall on CPU")
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-    ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    rollout = config.rollout
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if config.algorithm.loss == "policy" and samples % layout.dp:
+        raise ConfigError(
+            f"rollout.rollout_batch_size={rollout.rollout_batch_size}: rollout_batch_size * "
+            f"n_samples_per_prompt = {samples} samples must split evenly over {layout.dp} data-parallel ranks"
+        )
 
 
 def _check_algorithm(config: SlimConfig) -> None:

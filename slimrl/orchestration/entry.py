@@ -53,11 +53,9 @@ def run_training(config: SlimConfig) -> Path:
 
             run_sft(config, run_dir, trainers)
         else:
-            from slimrl.errors import ConfigError
+            from slimrl.orchestration.rl_loop import run_rl
 
-            raise ConfigError(
-                "algorithm.loss=policy: the RL loop is not available yet; use algorithm.loss=sft"
-            )
+            run_rl(config, run_dir, slots, trainers, device)
     finally:
         if not config.ray.address:
             ray.shutdown()

@@ -71,6 +71,15 @@ class TrainerGroup:
                 merged.setdefault(key, value)
         return merged
 
+    def train_rl(self, per_dp: list[TrainBatch]) -> dict[str, float]:
+        """One rollout's updates; metrics come from the ranks that compute losses."""
+        merged: dict[str, float] = {}
+        for result in self.run("train_rl", per_dp):
+            for key, value in result.items():
+                if key not in merged or (key.startswith("train/") and "train/pg_loss" in result):
+                    merged[key] = value
+        return merged
+
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
         """All ranks write into a fresh temporary directory; then it is published atomically."""
         from slimrl.trainer.checkpoint import new_tmp_dir, publish

@@ -247,6 +247,18 @@ class MegatronActor:
 
         return rl.response_logprobs(self, batch)["logprobs"]
 
+    # ---------------------------------------------------------------- weight sync
+    def push_weights(
+        self, urls: list[str], transport: str, version: str, sync_dir: str | None = None
+    ) -> dict[str, float]:
+        """Stream the current weights (HF names) to every rollout engine."""
+        from slimrl.trainer.weight_sync import push_weights
+
+        rollout = self.config.rollout
+        return push_weights(
+            self, urls, transport, version, rollout.update_weight_buffer_bytes, sync_dir, rollout.api_key
+        )
+
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str) -> None:
         from slimrl.trainer.checkpoint import save_train_state

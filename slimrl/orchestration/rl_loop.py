@@ -1,0 +1,260 @@
+"""The RL loop: rollout -> rewards/advantages -> train -> save -> weight sync -> eval.
+
+Synchronous by default. With `algorithm.async_staleness = N >= 1` (separate devices for rollout),
+the next N rollouts are generated while the trainer works on the current one, and each weight sync
+pauses the generation in flight, swaps the weights and lets it continue (off-policy by at most N
+updates; the importance-sampling corrections of the trainer handle the mismatch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.metrics import MetricsWriter
+from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
+from slimrl.orchestration.train_data import split_for_dp
+from slimrl.orchestration.trainer_group import TrainerGroup
+from slimrl.sample import Sample
+
+logger = logging.getLogger("slimrl")
+
+
+class Fleet:
+    """The engine actors and the rollout manager, as the driver sees them."""
+
+    def __init__(
+        self, config: SlimConfig, slots: DeviceSlots, first_slot: int, run_dir: Path, share: float
+    ) -> None:
+        import ray
+
+        from slimrl.orchestration.rollout_manager import EngineActor, RolloutManager
+
+        self.config = config
+        log_dir = str(run_dir / "logs")
+        per_engine = config.rollout.gpus_per_engine
+        remote = ray.remote(EngineActor)
+        self.engines = []
+        for index in range(config.rollout.num_engines):
+            slot = first_slot + index * per_engine
+            options = remote.options(scheduling_strategy=slots.strategy(slot), **slots.resources(share))
+            self.engines.append(options.remote(config, index, log_dir))
+        self.urls: list[str] = ray.get([e.start.remote() for e in self.engines])
+        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8)
+        self.manager = manager.remote(config, self.urls, log_dir)
+        self.restarts = 0
+
+    def heal(self) -> list[int]:
+        """Restart engines that died; swap them in the router and client. Returns their indices."""
+        import ray
+
+        healthy = ray.get([e.healthy.remote() for e in self.engines])
+        restarted = []
+        for index, ok in enumerate(healthy):
+            if ok:
+                continue
+            logger.warning("engine %d at %s is dead: restarting it", index, self.urls[index])
+            new_url = ray.get(self.engines[index].restart.remote())
+            ray.get(self.manager.replace_engine.remote(self.urls[index], new_url))
+            self.urls[index] = new_url
+            self.restarts += 1
+            restarted.append(index)
+        return restarted
+
+    def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> None:
+        import ray
+
+        ray.get(self.manager.control.remote(endpoint, payload))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for call in [self.manager.shutdown.remote(), *(e.stop.remote() for e in self.engines)]:
+            try:
+                ray.get(call, timeout=60)
+            except Exception as exc:  # keep stopping the others
+                logger.warning("shutdown: %s", exc)
+
+
+def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[float]:
+    """Per-sample scalar advantages from group rewards (REINFORCE++/PPO get the raw reward)."""
+    from slimrl.rollout.rewards import scalar_reward
+    from slimrl.trainer.algorithms import sample_advantages as estimator
+
+    algo = config.algorithm
+    rewards = torch.tensor([[scalar_reward(s.reward) for s in g] for g in groups], dtype=torch.float64)
+    return estimator(algo.advantage_estimator, rewards, algo.normalize_std).reshape(-1).tolist()
+
+
+def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
+    samples = [s for g in groups for s in g]
+    advantages = sample_advantages(config, groups)
+    per_token = {
+        "advantages": [[a] * s.response_length for a, s in zip(advantages, samples, strict=True)],
+        "rollout_log_probs": [list(s.rollout_log_probs or [0.0] * s.response_length) for s in samples],
+    }
+    return split_for_dp(samples, dp, per_token)
+
+
+def weight_transport(config: SlimConfig) -> str:
+    choice = config.rollout.weight_sync
+    if choice != "auto":
+        return choice
+    # Shared memory (CUDA IPC) needs trainer and engines on one host.
+    return "tensor" if config.cluster.colocate and config.cluster.num_nodes == 1 else "distributed"
+
+
+class RLRun:
+    def __init__(
+        self, config: SlimConfig, run_dir: Path, trainers: TrainerGroup, fleet: Fleet, offload: bool
+    ) -> None:
+        self.config, self.run_dir, self.trainers, self.fleet, self.offload = (
+            config,
+            run_dir,
+            trainers,
+            fleet,
+            offload,
+        )
+        self.transport = weight_transport(config)
+        self.ckpt_root = (
+            Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else run_dir / "checkpoints"
+        )
+
+    # ------------------------------------------------------------------ pieces
+    def sync_weights(self, version: int) -> float:
+        start = time.perf_counter()
+        self.fleet.control("pause_generation", {"mode": "in_place"})
+        sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
+        self.trainers.run("push_weights", None, self.fleet.urls, self.transport, str(version), sync_dir)
+        self.fleet.control("continue_generation")
+        return time.perf_counter() - start
+
+    def save(self, step: int) -> None:
+        import ray
+
+        state = {"step": step, "data": ray.get(self.fleet.manager.state_dict.remote())}
+        self.trainers.save_checkpoint(self.ckpt_root, step, state, self.config.checkpoint.keep_last)
+
+    def resume(self) -> int:
+        import ray
+
+        from slimrl.trainer.checkpoint import latest_checkpoint, read_driver_state
+
+        latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
+        if latest is None:
+            return 0
+        self.trainers.load_checkpoint(latest)
+        state = read_driver_state(latest)
+        ray.get(self.fleet.manager.load_state_dict.remote(state["data"]))
+        self.sync_weights(state["step"])  # engines started from the HF weights
+        logger.info("resumed from %s (step %d)", latest, state["step"])
+        return int(state["step"])
+
+    def should_save(self, step: int) -> bool:
+        interval = self.config.checkpoint.save_interval
+        return step == self.config.train.num_steps or (interval is not None and step % interval == 0)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        import ray
+
+        config = self.config
+        steps = config.train.num_steps
+        start_step = self.resume()
+        writer = MetricsWriter(self.run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
+        ahead = config.algorithm.async_staleness
+        pending: deque = deque()
+        try:
+            for step in range(start_step, steps):
+                step_start = time.perf_counter()
+                if self.offload:
+                    self.trainers.run("offload")
+                    self.fleet.control("resume_memory_occupation")
+                while len(pending) <= ahead and step + len(pending) < steps:
+                    pending.append(self.fleet.manager.generate.remote(step + len(pending)))
+                groups, rollout = ray.get(pending.popleft())
+                rollout_seconds = time.perf_counter() - step_start
+                batches = train_batches(config, groups, self.trainers.dp_size)
+                if self.offload:
+                    self.fleet.control("release_memory_occupation")
+                    self.trainers.run("onload")
+                train_start = time.perf_counter()
+                train = self.trainers.train_rl(batches)
+                train_seconds = time.perf_counter() - train_start
+                if self.should_save(step + 1):
+                    self.save(step + 1)
+                restarted = self.fleet.heal()
+                sync_seconds = self.sync_weights(step + 1)
+                metrics = self._metrics(rollout, train, restarted, step_start, rollout_seconds, train_seconds)
+                metrics["perf/weight_sync_seconds"] = sync_seconds
+                if config.eval.interval and (step + 1) % config.eval.interval == 0:
+                    metrics.update(ray.get(self.fleet.manager.evaluate.remote(step + 1)))
+                metrics["perf/step_seconds"] = time.perf_counter() - step_start
+                writer.write(step + 1, metrics)
+                self._progress(step + 1, steps, metrics)
+        finally:
+            writer.close()
+
+    def _metrics(
+        self, rollout: dict, train: dict, restarted: list[int], start: float, rollout_s: float, train_s: float
+    ) -> dict[str, float]:
+        metrics = {f"rollout/{k}": v for k, v in rollout.items()}
+        metrics.update({k: v for k, v in train.items() if k.startswith("train/")})
+        metrics["rollout/engine_restarts"] = float(self.fleet.restarts)
+        elapsed = time.perf_counter() - start
+        compute = rollout.get("seconds", 0.0) + train.get("perf/train_seconds", 0.0)
+        metrics.update(
+            {
+                "perf/rollout_seconds": rollout_s,
+                "perf/train_seconds": train_s,
+                "perf/generation_tokens_per_s": rollout.get("tokens_per_s", 0.0),
+                "perf/overhead_ratio": max(0.0, 1.0 - compute / elapsed) if elapsed > 0 else 0.0,
+            }
+        )
+        if restarted:
+            logger.warning("restarted engines %s; they got the current weights", restarted)
+        return metrics
+
+    def _progress(self, step: int, steps: int, m: dict[str, float]) -> None:
+        logger.info(
+            "step %d/%d | reward %.3f | resp len %.1f | pg_loss %.4f | entropy %.3f | "
+            "train/rollout |dlogp| %.2e | %.1fs (rollout %.1f, train %.1f, sync %.1f)",
+            step,
+            steps,
+            m.get("rollout/raw_reward", 0.0),
+            m.get("rollout/response_length", 0.0),
+            m.get("train/pg_loss", 0.0),
+            m.get("train/entropy", 0.0),
+            m.get("train/train_rollout_logprob_abs_diff", 0.0),
+            m.get("perf/step_seconds", 0.0),
+            m.get("perf/rollout_seconds", 0.0),
+            m.get("perf/train_seconds", 0.0),
+            m.get("perf/weight_sync_seconds", 0.0),
+        )
+
+
+def run_rl(
+    config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: TrainerGroup, device: str
+) -> None:
+    world = trainers.world_size
+    colocated = config.cluster.colocate
+    offload = config.train.offload if config.train.offload is not None else colocated and device == "cuda"
+    total_steps = config.train.num_steps * config.train.steps_per_rollout
+    summaries = trainers.setup(total_steps=total_steps)
+    logger.info(
+        "%d training ranks (%d data-parallel), %d parameters", world, trainers.dp_size,
+        sum(s["local_params"] for s in summaries),
+    )  # fmt: skip
+    first_slot = 0 if colocated else world
+    share = ROLLOUT_SHARE_COLOCATED if colocated else 1.0
+    fleet = Fleet(config, slots, first_slot, run_dir, share)
+    try:
+        RLRun(config, run_dir, trainers, fleet, offload).run()
+    finally:
+        fleet.shutdown()

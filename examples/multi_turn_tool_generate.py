@@ -51,33 +51,47 @@ def observation(turn_text: str, sample: Sample) -> str:
 
 
 async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Up to MAX_TURNS model turns of TURN_TOKENS tokens, each followed by a tool observation.
+
+    The whole response (model and tool tokens) stays within `max_new_tokens`; it ends with a model
+    turn, never with an observation the model did not get to answer.
+    """
     if not sample.tokens:
         sample.tokens = render_prompt(ctx.tokenizer, sample.prompt, ctx.config.data.apply_chat_template)
     budget = sampling_params["max_new_tokens"]
     for turn in range(MAX_TURNS):
-        params = {**sampling_params, "max_new_tokens": min(TURN_TOKENS, budget - sample.response_length)}
-        if params["max_new_tokens"] <= 0:
+        room = budget - sample.response_length
+        if room <= 0:
             sample.status = Status.TRUNCATED
             break
+        params = {**sampling_params, "max_new_tokens": min(TURN_TOKENS, room)}
+        # No rid: the client derives one from the rollout's prefix, so a rollout abort reaches us.
         response = await ctx.client.generate(
             input_ids=sample.tokens, sampling_params=params, return_logprob=True
         )
         apply_response(sample, response)
-        if sample.status in (Status.ABORTED, Status.FAILED) or turn == MAX_TURNS - 1:
+        if sample.status in (Status.ABORTED, Status.FAILED):
             break
-        if (
-            response["meta_info"]["finish_reason"]["type"] == "stop"
-            and sample.tokens[-1] == ctx.tokenizer.eos_token_id
-        ):
-            break  # the model ended the conversation
-        tool_ids = ctx.tokenizer.encode(
-            observation(response.get("text", ""), sample), add_special_tokens=False
-        )
-        previous_mask = sample.effective_loss_mask()
-        sample.tokens = [*sample.tokens, *tool_ids]
-        sample.response_length += len(tool_ids)
-        sample.loss_mask = [*previous_mask, *[0] * len(tool_ids)]
-        sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *[0.0] * len(tool_ids)]
-        sample.metadata.setdefault("tool_turns", 0)
-        sample.metadata["tool_turns"] += 1
+        if sample.tokens[-1] == ctx.tokenizer.eos_token_id:
+            sample.status = Status.COMPLETED  # the model ended the conversation (even on its last token)
+            break
+        if turn == MAX_TURNS - 1:
+            break
+        tool_text = observation(response.get("text", ""), sample)
+        tool_ids = ctx.tokenizer.encode(tool_text, add_special_tokens=False)
+        if sample.response_length + len(tool_ids) >= budget:
+            sample.status = Status.TRUNCATED  # no room left for the model to answer the tool
+            break
+        append_tool_output(sample, tool_ids, tool_text)
     return sample
+
+
+def append_tool_output(sample: Sample, tool_ids: list[int], tool_text: str) -> None:
+    """Environment tokens: in the sequence, but loss_mask 0 and logprob 0.0 (not trained on)."""
+    previous_mask = sample.effective_loss_mask()
+    sample.tokens = [*sample.tokens, *tool_ids]
+    sample.response_length += len(tool_ids)
+    sample.response += tool_text
+    sample.loss_mask = [*previous_mask, *[0] * len(tool_ids)]
+    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *[0.0] * len(tool_ids)]
+    sample.metadata["tool_turns"] = sample.metadata.get("tool_turns", 0) + 1

@@ -72,6 +72,7 @@ def _serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
+        true_on_policy=args.true_on_policy,
     )
 
     def ready(url: str) -> None:
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on control calls")
     serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+    serve.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="report logprobs computed exactly as the Megatron trainer does (docs/true_on_policy.md)",
+    )
     serve.set_defaults(handler=_serve)
 
     convert = sub.add_parser(

@@ -3,12 +3,16 @@
 Each rank reads only the HF tensors its own shards are made of. Nothing is silently dropped:
 a Megatron tensor without a rule, an HF tensor no rank consumed, or a shape that does not fit
 is an error naming the tensor.
+
+The source is a checkpoint directory or anything with `.names` and `.get(name)` (an `HFSource`),
+e.g. the live weights of an inference engine that keeps a Megatron twin of its model in sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -18,6 +22,24 @@ from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
 from slimrl.megatron_bridge.rules import RuleSet, hf_to_megatron_full, shard
 from slimrl.trainer.parallel import ParallelLayout
+
+
+class HFSource(Protocol):
+    """HF-named tensors: a checkpoint reader, or an in-memory copy of one."""
+
+    @property
+    def names(self) -> Iterable[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def _nbytes(source: HFSource, name: str) -> int:
+    """Bytes of one source tensor (from the file header when the source can tell without reading)."""
+    nbytes = getattr(source, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes(name))
+    tensor = source.get(name)
+    return tensor.numel() * tensor.element_size()
 
 
 class ShardContext:
@@ -44,14 +66,17 @@ def load_hf_into_megatron(
     chunks: list[Any],
     arch: ModelArch,
     layout: ParallelLayout,
-    hf_dir: str,
+    hf_dir: str | os.PathLike[str] | HFSource,
     check_complete: bool = True,
     progress: Callable[[int], object] | None = None,
 ) -> set[str]:
     """Copy HF weights into this rank's chunks; returns the HF names this rank consumed.
 
-    `progress` is called with the bytes of each HF tensor read."""
-    reader = HFCheckpointReader(hf_dir)
+    `hf_dir` is a checkpoint directory or an `HFSource`; `progress` is called with the bytes of
+    each HF tensor read."""
+    on_disk = isinstance(hf_dir, str | os.PathLike)
+    reader: HFSource = HFCheckpointReader(hf_dir) if on_disk else hf_dir
+    where = str(hf_dir) if on_disk else type(hf_dir).__name__
     rules = rules_for(arch)
     ctx = ShardContext(arch, layout)
     consumed: set[str] = set()
@@ -61,14 +86,14 @@ def load_hf_into_megatron(
                 names = _load_one(local, rules, reader, arch, ctx)
                 consumed.update(names)
                 if progress is not None:
-                    progress(sum(reader.nbytes(n) for n in names))
+                    progress(sum(_nbytes(reader, n) for n in names))
     if check_complete:
-        check_everything_consumed(consumed, set(reader.names), hf_dir)
+        check_everything_consumed(consumed, set(reader.names), where)
     return consumed
 
 
 def hf_shard(
-    local: LocalTensor, rules: RuleSet, reader: HFCheckpointReader, arch: ModelArch, ctx: ShardContext
+    local: LocalTensor, rules: RuleSet, reader: HFSource, arch: ModelArch, ctx: ShardContext
 ) -> tuple[torch.Tensor, list[str]]:
     """This rank's shard of one Megatron tensor, built from the HF tensors it is made of."""
     match = rules.match(local.name)
@@ -90,7 +115,7 @@ def hf_shard(
 
 
 def _load_one(
-    local: LocalTensor, rules: RuleSet, reader: HFCheckpointReader, arch: ModelArch, ctx: ShardContext
+    local: LocalTensor, rules: RuleSet, reader: HFSource, arch: ModelArch, ctx: ShardContext
 ) -> list[str]:
     piece, hf_names = hf_shard(local, rules, reader, arch, ctx)
     local.tensor.data.copy_(piece)

@@ -47,8 +47,18 @@ def _pp_layout_string(layers_per_stage: tuple[int, ...]) -> str:
 
 
 def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOptions) -> Any:
+    """Megatron-Core's `TransformerConfig` (`MLATransformerConfig` for MLA models)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    cls = MLATransformerConfig if arch.mla is not None else TransformerConfig
+    return cls(**transformer_config_kwargs(arch, layout, options))
+
+
+def transformer_config_kwargs(
+    arch: ModelArch, layout: ParallelLayout, options: BuildOptions
+) -> dict[str, Any]:
+    """The constructor arguments, separate so they can be checked where the config cannot be built
+    (megatron-core refuses FP8 configs without Transformer Engine installed)."""
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -119,12 +129,12 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout, options: BuildOp
         if options.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     if arch.mla is not None:
-        return MLATransformerConfig(**kwargs, **_mla_kwargs(arch))
-    if arch.rope_scaling is not None:
+        kwargs.update(_mla_kwargs(arch))
+    elif arch.rope_scaling is not None:
         raise BridgeError(
             f"{arch.model_type}: RoPE scaling `{arch.rope_scaling['rope_type']}` is not supported yet"
         )
-    return TransformerConfig(**kwargs)
+    return kwargs
 
 
 def _mla_kwargs(arch: ModelArch) -> dict[str, Any]:

@@ -148,6 +148,8 @@ class RLRun:
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
         if latest is None:
+            if self.config.model.load or not self.config.model.init_from_hf:
+                self.sync_weights(0)  # the engines loaded the HF checkpoint; the policy is elsewhere
             return 0
         self.trainers.load_checkpoint(latest)
         state = read_driver_state(latest)

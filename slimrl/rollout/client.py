@@ -1,14 +1,22 @@
 """Async client of the fleet: `/generate` through the router or straight to an engine.
 
-Routing: through sglang-router when there is one and the request needs no field the router drops;
-otherwise the client picks the live engine with the fewest requests in flight. A request whose
-engine dies is retried on another engine; a request that runs past `request_timeout_s` is aborted
-on the engines and reported as `RequestTimedOut` (the rollout turns it into an aborted sample).
+Routing: through sglang-router when there is one, no engine is known to be down and the request
+needs no field the router drops; otherwise the client picks the live engine with the fewest
+requests in flight. A request whose engine dies (connection error or 5xx) is retried on another
+engine; a request that runs past `request_timeout_s` is aborted on the engines and reported as
+`RequestTimedOut` (the rollout turns it into an aborted sample). A 4xx is the request's own fault:
+it raises a one-line `SlimError` at once, without retries.
+
+Request ids: a request without an explicit `rid` gets `<rid_prefix><uuid>`, where the prefix comes
+from the `RID_PREFIX` context variable. The rollout sets it per rollout, so aborting that prefix
+also stops the requests of custom `generate()` hooks, which never see rids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import json
 import logging
 import uuid
 from collections.abc import Iterable
@@ -20,6 +28,13 @@ from slimrl.errors import SlimError
 
 logger = logging.getLogger(__name__)
 
+RID_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("slimrl_rid_prefix", default="")
+"""Prefix of generated rids in the current task (set by the rollout, inherited by hooks)."""
+
+ABORT_TIMEOUT_S = 10.0
+_UNREACHABLE = "unreachable"
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.IncompleteReadError)
+
 
 class RequestTimedOut(Exception):
     """A generate request exceeded its deadline; it has been aborted on the engines."""
@@ -27,6 +42,20 @@ class RequestTimedOut(Exception):
 
 class NoEngineAvailable(SlimError):
     """Every engine of the fleet failed the request."""
+
+
+def error_message(status: int, text: str) -> str:
+    """One line out of an error body: SGLang's `{"error": {"message"}}`, `{"message"}` or plain text."""
+    message: Any = text
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        inner = payload.get("error", payload)
+        message = inner.get("message", inner) if isinstance(inner, dict) else inner
+    flat = " ".join(str(message).split()) or "(empty body)"
+    return f"HTTP {status}: {flat[:500]}"
 
 
 class FleetClient:
@@ -48,10 +77,16 @@ class FleetClient:
         self.in_flight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self.down: set[str] = set()
         self.failovers = 0
-        self._sessions: dict[int, aiohttp.ClientSession] = {}
+        self.router_down = False
+        """Set when the router stops accepting connections: every request is routed client-side."""
+        self.requests_via_router = 0
+        self.requests_direct = 0
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     # ------------------------------------------------------------------ fleet membership
     def mark_down(self, url: str) -> None:
+        if url in self.engines and url not in self.down:
+            logger.warning("engine %s marked down; routing around it until it is healed", url)
         self.down.add(url)
 
     def mark_up(self, url: str) -> None:
@@ -64,30 +99,42 @@ class FleetClient:
         self.in_flight.pop(old, None)
         self.in_flight.setdefault(new, 0)
 
+    def live_engines(self) -> list[str]:
+        return [u for u in self.engines if u not in self.down]
+
     # ------------------------------------------------------------------ sessions
     def _session(self) -> aiohttp.ClientSession:
-        loop_id = id(asyncio.get_running_loop())
-        session = self._sessions.get(loop_id)
+        """One session per event loop: an aiohttp session must not outlive or cross its loop."""
+        loop = asyncio.get_running_loop()
+        for old_loop in [lp for lp in self._sessions if lp.is_closed()]:
+            del self._sessions[old_loop]  # its connections died with the loop
+        session = self._sessions.get(loop)
         if session is None or session.closed:
             connector = aiohttp.TCPConnector(limit=0)
             session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
-            self._sessions[loop_id] = session
+            self._sessions[loop] = session
         return session
 
     async def close(self) -> None:
-        for session in self._sessions.values():
+        """Close this loop's session (sessions of other, still running loops are theirs to close)."""
+        loop = asyncio.get_running_loop()
+        session = self._sessions.pop(loop, None)
+        if session is not None:
             await session.close()
-        self._sessions.clear()
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     # ------------------------------------------------------------------ generate
     def _pick_engine(self, exclude: set[str]) -> str:
-        live = [u for u in self.engines if u not in self.down and u not in exclude]
+        live = [u for u in self.live_engines() if u not in exclude]
         if not live:
             raise NoEngineAvailable(f"no live engine left for the request (tried {sorted(exclude)})")
         return min(live, key=lambda u: self.in_flight.get(u, 0))
+
+    def needs_client_routing(self, fields: dict[str, Any]) -> bool:
+        """True when a request sets a field the router would drop on the way."""
+        return any(fields.get(name) for name in self.router_dropped)
 
     async def generate(
         self,
@@ -103,80 +150,117 @@ class FleetClient:
         body: dict[str, Any] = {
             "sampling_params": dict(sampling_params or {}),
             "return_logprob": return_logprob,
+            "rid": rid or f"{RID_PREFIX.get()}{uuid.uuid4().hex}",
         }
-        body["rid"] = rid or uuid.uuid4().hex
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
         if text is not None:
             body["text"] = text
         body.update(extra)
-        use_router = self.router_url is not None and not (
-            self.router_dropped & {k for k, v in extra.items() if v}
-        )
+        use_router = self.router_url is not None and not self.needs_client_routing(extra)
         try:
             return await asyncio.wait_for(self._generate(body, use_router), timeout=self.request_timeout_s)
         except TimeoutError:
             await self.abort(body["rid"])
-            raise RequestTimedOut(f"request {body['rid']} exceeded {self.request_timeout_s:.0f} s") from None
+            raise RequestTimedOut(
+                f"request {body['rid']} exceeded rollout.request_timeout_s={self.request_timeout_s:g}"
+            ) from None
 
     async def _generate(self, body: dict[str, Any], use_router: bool) -> dict[str, Any]:
         tried: set[str] = set()
         last_error = ""
         for attempt in range(self.max_attempts):
-            via_router = use_router and attempt == 0 and bool(set(self.engines) - self.down)
+            # The router knows nothing of engines we saw die: while one is down, route ourselves.
+            via_router = use_router and attempt == 0 and not self.down and not self.router_down
             url = self.router_url if via_router else self._pick_engine(tried)
             assert url is not None
-            self.in_flight[url] = self.in_flight.get(url, 0) + 1
-            try:
-                async with self._session().post(
-                    f"{url}/generate", json=body, headers=self._headers()
-                ) as resp:
-                    if resp.status < 500:
-                        payload = await resp.json(content_type=None)
-                        if resp.status != 200:
-                            message = payload.get("error", payload) if isinstance(payload, dict) else payload
-                            raise SlimError(f"/generate rejected by {url}: {resp.status} {message}")
-                        return payload
-                    last_error = f"HTTP {resp.status}"
-            except (
-                aiohttp.ClientConnectionError,
-                aiohttp.ServerDisconnectedError,
-                asyncio.IncompleteReadError,
-            ) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.in_flight[url] -= 1
+            result, last_error = await self._post_generate(url, body)
+            if via_router and result is None and last_error.startswith(_UNREACHABLE):
+                logger.error("router %s unreachable (%s); routing client-side from now on", url, last_error)
+                self.router_down = True
+            if result is not None:
+                if via_router:
+                    self.requests_via_router += 1
+                else:
+                    self.requests_direct += 1
+                return result
             if not via_router:
                 tried.add(url)
-                self.mark_down(url)  # the fleet's health check brings it back after a restart
+                self.mark_down(url)  # Fleet.heal() restarts it and swaps it back in
             self.failovers += 1
             logger.warning("generate failed on %s (%s); retrying elsewhere", url, last_error)
             await asyncio.sleep(0.1 * (attempt + 1))
         raise NoEngineAvailable(f"/generate failed {self.max_attempts} times; last error: {last_error}")
 
+    async def _post_generate(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """(response, "") on success, (None, reason) on a retryable failure; raises on a 4xx."""
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        try:
+            async with self._session().post(f"{url}/generate", json=body, headers=self._headers()) as resp:
+                text = await resp.text()
+                if resp.status >= 500:
+                    return None, error_message(resp.status, text)
+                if resp.status != 200:
+                    raise SlimError(f"/generate rejected by {url}: {error_message(resp.status, text)}")
+                try:
+                    return json.loads(text), ""
+                except ValueError:
+                    return None, f"malformed JSON answer: {text[:200]!r}"
+        except aiohttp.ClientConnectorError as exc:  # nothing listens there
+            return None, f"{_UNREACHABLE}: {exc}"
+        except _RETRYABLE as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        finally:
+            self.in_flight[url] -= 1
+
     # ------------------------------------------------------------------ control
     async def abort(self, rid: str | None = None) -> None:
-        """Abort by rid (prefix) or everything, on every live engine; failures are ignored."""
+        """Abort by rid (prefix) or everything, on every live engine; failures are ignored, and a
+        hung engine cannot stall the caller (shutdown aborts must not hang)."""
         payload = {"rid": rid} if rid else {"abort_all": True}
-        await self.control("abort_request", payload, ignore_errors=True)
+        await self.control("abort_request", payload, ignore_errors=True, timeout_s=ABORT_TIMEOUT_S)
 
     async def control(
-        self, endpoint: str, payload: dict[str, Any] | None = None, ignore_errors: bool = False
+        self,
+        endpoint: str,
+        payload: dict[str, Any] | None = None,
+        ignore_errors: bool = False,
+        timeout_s: float | None = None,
     ) -> list[Any]:
         """POST to every live engine directly (the router does not proxy control calls)."""
+        return await self._fan_out("POST", endpoint, payload or {}, ignore_errors, timeout_s)
+
+    async def query(self, endpoint: str, timeout_s: float | None = 60.0) -> list[Any]:
+        """GET a read-only endpoint (`get_weight_version`, `v1/loads`, ...) of every live engine."""
+        return await self._fan_out("GET", endpoint, None, False, timeout_s)
+
+    async def _fan_out(
+        self,
+        method: str,
+        endpoint: str,
+        payload: dict[str, Any] | None,
+        ignore_errors: bool,
+        timeout_s: float | None,
+    ) -> list[Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
 
         async def one(url: str) -> Any:
             try:
-                async with self._session().post(
-                    f"{url}/{endpoint}", json=payload or {}, headers=self._headers()
+                async with self._session().request(
+                    method, f"{url}/{endpoint}", json=payload, headers=self._headers(), timeout=timeout
                 ) as resp:
-                    body = await resp.json(content_type=None)
-                    if resp.status != 200 and not ignore_errors:
-                        raise SlimError(f"/{endpoint} failed on {url}: {resp.status} {body}")
-                    return body
-            except aiohttp.ClientError as exc:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        if ignore_errors:
+                            return None
+                        raise SlimError(f"/{endpoint} failed on {url}: {error_message(resp.status, text)}")
+                    try:
+                        return json.loads(text) if text.strip() else None
+                    except ValueError:
+                        return text
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 if ignore_errors:
                     return None
-                raise SlimError(f"/{endpoint} failed on {url}: {exc}") from None
+                raise SlimError(f"/{endpoint} failed on {url}: {type(exc).__name__}: {exc}") from None
 
-        return await asyncio.gather(*(one(u) for u in self.engines if u not in self.down))
+        return await asyncio.gather(*(one(u) for u in self.live_engines()))

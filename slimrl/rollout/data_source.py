@@ -4,6 +4,7 @@ groups returned by earlier rollouts. Its position is part of every checkpoint.""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
@@ -12,6 +13,19 @@ from slimrl.errors import ConfigError
 from slimrl.sample import Sample
 
 Group = list[Sample]
+
+
+def load_buffer_filter(config: SlimConfig) -> Callable[..., list[Group]] | None:
+    """The buffer filter (`rollout.buffer_filter_path`): plain `(config, buffer, n) -> groups`
+    choosing which buffered partial groups to continue; None (first in, first out) when unset."""
+    path = config.rollout.buffer_filter_path
+    if path is None:
+        return None
+    from slimrl.utils.hooks import load_function
+
+    return load_function(
+        path, key="rollout.buffer_filter_path", required_params=("config", "buffer", "n"), must_be_async=False
+    )
 
 
 class DataSource:
@@ -31,8 +45,7 @@ class DataSource:
         self.next_group_index = 0
         self.next_sample_index = 0
 
-    def _new_group(self, record: PromptRecord) -> Group:
-        n = self.config.rollout.n_samples_per_prompt
+    def _new_group(self, record: PromptRecord, n: int) -> Group:
         group = []
         for _ in range(n):
             group.append(
@@ -48,22 +61,19 @@ class DataSource:
         self.next_group_index += 1
         return group
 
-    def get_groups(self, count: int) -> list[Group]:
-        """Partial groups from the buffer first (through the buffer filter), then fresh prompts."""
+    def get_groups(self, count: int, n_samples: int | None = None) -> list[Group]:
+        """Partial groups from the buffer first (through the buffer filter), then fresh prompts
+        with `n_samples` responses each (default `rollout.n_samples_per_prompt`)."""
+        n = n_samples or self.config.rollout.n_samples_per_prompt
         taken = self._from_buffer(count) if self.buffer else []
-        fresh = [self._new_group(self.records[i]) for i in self.sampler.take(count - len(taken))]
+        fresh = [self._new_group(self.records[i], n) for i in self.sampler.take(count - len(taken))]
         return taken + fresh
 
     def _from_buffer(self, count: int) -> list[Group]:
-        path = self.config.rollout.buffer_filter_path
-        if path is None:
+        pick = load_buffer_filter(self.config)
+        if pick is None:
             taken, self.buffer = self.buffer[:count], self.buffer[count:]
             return taken
-        from slimrl.utils.hooks import load_function
-
-        pick = load_function(
-            path, key="rollout.buffer_filter_path", required_params=("config", "buffer", "n")
-        )
         taken = list(pick(self.config, self.buffer, count))[:count]
         chosen = {id(g) for g in taken}
         self.buffer = [g for g in self.buffer if id(g) not in chosen]

@@ -276,14 +276,23 @@ async def compute_rewards(config: SlimConfig, samples: list[Sample]) -> None:
         raise ConfigError(f"rollout.reward_type `{rollout.reward_type}` is not one of: {valid}")
 
 
+def load_reward_fn(config: SlimConfig) -> Callable[..., Awaitable[Any]] | None:
+    """The reward hook (`rollout.custom_rm_path`): async `(config, sample)`, or `(config, samples)`
+    with `group_rm`; None when unset."""
+    path = config.rollout.custom_rm_path
+    if path is None:
+        return None
+    second = "samples" if config.rollout.group_rm else "sample"
+    return load_function(
+        path, key="rollout.custom_rm_path", required_params=("config", second), must_be_async=True
+    )
+
+
 async def _custom_rewards(config: SlimConfig, samples: list[Sample]) -> None:
     rollout = config.rollout
     path = rollout.custom_rm_path
-    assert path is not None
-    second = "samples" if rollout.group_rm else "sample"
-    hook = load_function(
-        path, key="rollout.custom_rm_path", required_params=("config", second), must_be_async=True
-    )
+    hook = load_reward_fn(config)
+    assert path is not None and hook is not None
     # Bounded like generation: a hook that calls a service must not open one request per sample at once.
     limit = asyncio.Semaphore(rollout.max_concurrency)
 

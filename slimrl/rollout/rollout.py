@@ -1,7 +1,8 @@
 """The default rollout: draw prompt groups, generate `n_samples_per_prompt` responses each with
 bounded concurrency, score them, keep groups that pass the dynamic-sampling filter until the batch
-is full, then abort what is still running (partial groups go back to the buffer with
-`rollout.partial_rollout`). A custom loop (`rollout.rollout_function_path`) replaces all of this:
+is full, then abort what is still running (with `rollout.partial_rollout` the leftover groups go
+back to the buffer with their partial tokens and are continued by a later rollout). A custom loop
+(`rollout.rollout_function_path`) replaces all of this:
 
     async def rollout(ctx: RolloutContext, data_source: DataSource, evaluation: bool) -> list[list[Sample]]
 """
@@ -9,22 +10,26 @@ is full, then abort what is still running (partial groups go back to the buffer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.errors import SlimError
-from slimrl.rollout.client import NoEngineAvailable, RequestTimedOut
-from slimrl.rollout.data_source import DataSource, Group
+from slimrl.rollout.client import RID_PREFIX, NoEngineAvailable, RequestTimedOut
+from slimrl.rollout.data_source import DataSource, Group, load_buffer_filter
 from slimrl.rollout.generate import RolloutContext, generate, sampling_params_for
-from slimrl.rollout.rewards import compute_rewards, scalar_reward
+from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
 from slimrl.sample import Sample, Status
 from slimrl.utils.hooks import load_function
 
 logger = logging.getLogger(__name__)
 MAX_DRAWS_PER_TARGET = 50  # dynamic sampling gives up after drawing this many groups per wanted group
+REABORT_INTERVAL_S = 1.0  # a request that raced the first abort is caught by the next one
+FINISHED = (Status.COMPLETED, Status.TRUNCATED)
 
 
 @dataclass
@@ -33,8 +38,9 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _generate_fn(ctx: RolloutContext):
-    path = ctx.config.rollout.custom_generate_function_path
+def load_generate_fn(config: Any) -> Callable[..., Any]:
+    """The generate hook (`rollout.custom_generate_function_path`) or the built-in one."""
+    path = config.rollout.custom_generate_function_path
     if path is None:
         return generate
     return load_function(
@@ -45,17 +51,40 @@ def _generate_fn(ctx: RolloutContext):
     )
 
 
-def _filter_fn(ctx: RolloutContext):
-    path = ctx.config.rollout.dynamic_sampling_filter_path
+def load_filter_fn(config: Any) -> Callable[..., Any] | None:
+    """The dynamic-sampling filter (`rollout.dynamic_sampling_filter_path`), None when unset."""
+    path = config.rollout.dynamic_sampling_filter_path
+    if path is None:
+        return None
+    key = "rollout.dynamic_sampling_filter_path"
+    return load_function(path, key=key, required_params=("config", "group"), must_be_async=False)
+
+
+def load_rollout_fn(config: Any) -> Callable[..., Any] | None:
+    """The custom rollout loop (`rollout.rollout_function_path`), None when unset."""
+    path = config.rollout.rollout_function_path
     if path is None:
         return None
     return load_function(
-        path, key="rollout.dynamic_sampling_filter_path", required_params=("config", "group")
+        path,
+        key="rollout.rollout_function_path",
+        required_params=("ctx", "data_source", "evaluation"),
+        must_be_async=True,
     )
 
 
+def check_hooks(config: Any) -> None:
+    """Load every configured hook now, so a bad path or signature fails as one `ConfigError` line
+    before any engine starts or any token is generated (loads are cached)."""
+    load_generate_fn(config)
+    load_filter_fn(config)
+    load_rollout_fn(config)
+    load_reward_fn(config)
+    load_buffer_filter(config)
+
+
 def _group_finished(group: Group) -> bool:
-    return all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in group)
+    return all(s.status in FINISHED for s in group)
 
 
 class _GroupRunner:
@@ -63,16 +92,23 @@ class _GroupRunner:
 
     def __init__(self, ctx: RolloutContext, evaluation: bool) -> None:
         self.ctx = ctx
-        self.generate = _generate_fn(ctx)
+        self.generate = load_generate_fn(ctx.config)
         self.params = sampling_params_for(ctx.config, evaluation)
         self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
+        self.stopping = False
         self.timeouts = 0
         self.failures = 0
 
     async def _one(self, sample: Sample) -> list[Sample]:
+        if sample.status in FINISHED:  # a finished sample of a buffered group: nothing to do
+            return [sample]
         async with self.semaphore:
-            sample.metadata["rid"] = f"{self.rid_prefix}{sample.index}-{sample.response_length}"
+            if self.stopping:  # the batch filled up while this sample waited for a slot
+                return [sample]
+            rid = f"{self.rid_prefix}{sample.index}-{sample.response_length}"
+            sample.metadata["rid"] = rid
+            RID_PREFIX.set(f"{rid}-")  # this task only: a hook's own requests share the prefix
             params = {**self.params, "sampling_seed": self.ctx.config.run.seed * 1_000_003 + sample.index}
             try:
                 result = await self.generate(self.ctx, sample, params)
@@ -86,9 +122,10 @@ class _GroupRunner:
                 sample.status = Status.FAILED
                 return [sample]
         samples = result if isinstance(result, list) else [result]
-        if not all(isinstance(s, Sample) for s in samples):
+        if not samples or not all(isinstance(s, Sample) for s in samples):
             raise SlimError(
-                "rollout.custom_generate_function_path: generate() must return a Sample or list[Sample]"
+                "rollout.custom_generate_function_path: generate() must return a Sample or a "
+                f"non-empty list[Sample], got {type(result).__name__}"
             )
         return samples
 
@@ -99,79 +136,138 @@ class _GroupRunner:
             await compute_rewards(self.ctx.config, done)
         return done
 
+    async def stop(self, pending: set[asyncio.Task]) -> None:
+        """Abort this rollout's requests and wait until every pending group has returned."""
+        self.stopping = True
+        while pending:
+            await self.ctx.client.abort(self.rid_prefix)
+            _, pending = await asyncio.wait(pending, timeout=REABORT_INTERVAL_S)
+
+    async def cancel(self, pending: Iterable[asyncio.Task]) -> None:
+        """On an error: cancel the pending groups and free the engines."""
+        self.stopping = True
+        pending = list(pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.ctx.client.abort(self.rid_prefix)
+
 
 async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool = False) -> RolloutResult:
     start = time.perf_counter()
-    custom = ctx.config.rollout.rollout_function_path
+    check_hooks(ctx.config)
+    custom = load_rollout_fn(ctx.config)
     if custom is not None:
-        loop = load_function(
-            custom,
-            key="rollout.rollout_function_path",
-            required_params=("ctx", "data_source", "evaluation"),
-            must_be_async=True,
-        )
-        groups = await loop(ctx, source, evaluation)
+        groups = await custom(ctx, source, evaluation)
+        _check_groups(groups)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)
     return await _run_train_rollout(ctx, source, start)
 
 
+def _check_groups(groups: Any) -> None:
+    ok = isinstance(groups, list) and all(
+        isinstance(g, list) and all(isinstance(s, Sample) for s in g) for g in groups
+    )
+    if not ok:
+        raise SlimError("rollout.rollout_function_path: the rollout function must return list[list[Sample]]")
+
+
 async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: float) -> RolloutResult:
     config = ctx.config.rollout
     target = config.rollout_batch_size
-    refill = config.over_sampling_batch_size or target
     runner = _GroupRunner(ctx, evaluation=False)
-    keep = _filter_fn(ctx)
+    keep = load_filter_fn(ctx.config)
     kept: list[Group] = []
-    counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0}
+    surplus: list[Group] = []  # finished after the batch was full in the same wake-up
+    counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0}
     pending: set[asyncio.Task] = set()
-    drawn = 0
-    while len(kept) < target:
-        if not pending:
-            if drawn >= MAX_DRAWS_PER_TARGET * target:
-                raise SlimError(
-                    f"dynamic sampling kept {len(kept)} of {target} groups after drawing {drawn}; "
-                    f"rollout.dynamic_sampling_filter_path rejects (almost) everything"
-                )
-            for group in source.get_groups(refill):
-                pending.add(asyncio.create_task(runner.run_group(group)))
-            drawn += refill
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            group = task.result()
-            if not _group_finished(group):
-                counts["unfinished_groups"] += 1
-                continue
-            if keep is not None and not _passes(keep, ctx, group):
-                counts["dropped_groups"] += 1
-                continue
-            if len(kept) < target:
-                kept.append(group)
-    if pending:  # the batch is full: stop what is still generating
-        await ctx.client.abort(runner.rid_prefix)
-        leftovers = await asyncio.gather(*pending)
-        if config.partial_rollout:
-            unfinished = [g for g in leftovers if not _group_finished(g)]
-            for group in unfinished:
-                for sample in group:
-                    sample.status = Status.PENDING
-            source.add_to_buffer(unfinished)
-            counts["buffered_groups"] = len(unfinished)
+    try:
+        while len(kept) < target:
+            # Draw more as soon as the groups in flight could no longer fill the batch.
+            if len(kept) + len(pending) < target and _may_draw(counts, target, len(kept), bool(pending)):
+                for group in source.get_groups(config.over_sampling_batch_size or target):
+                    pending.add(asyncio.create_task(runner.run_group(group)))
+                    counts["drawn_groups"] += 1
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if len(kept) < target:
+                    _sort_group(task.result(), keep, ctx, kept, counts)
+                else:
+                    surplus.append(task.result())
+    except BaseException:
+        await runner.cancel(pending)
+        raise
+    await runner.stop(pending)  # the batch is full: stop what is still generating
+    leftovers = surplus + [t.result() for t in pending]
+    if config.partial_rollout and leftovers:
+        counts["buffered_groups"] = _buffer_leftovers(source, leftovers, ctx.rollout_id)
     counts["timeouts"], counts["failed_samples"] = runner.timeouts, runner.failures
     return RolloutResult(kept, rollout_metrics(kept, time.perf_counter() - start, counts))
 
 
-def _passes(keep, ctx: RolloutContext, group: Group) -> bool:
+def _may_draw(counts: dict[str, int], target: int, kept: int, waiting: bool) -> bool:
+    """False once the draw budget is spent while something is still in flight; an error once it
+    is spent with nothing left to wait for."""
+    if counts["drawn_groups"] < MAX_DRAWS_PER_TARGET * target:
+        return True
+    if waiting:
+        return False
+    raise SlimError(
+        f"dynamic sampling kept {kept} of {target} groups after drawing {counts['drawn_groups']}; "
+        "rollout.dynamic_sampling_filter_path rejects (almost) everything, or every request fails "
+        "(see the timeouts/failed_samples metrics)"
+    )
+
+
+def _sort_group(
+    group: Group,
+    keep: Callable[..., Any] | None,
+    ctx: RolloutContext,
+    kept: list[Group],
+    counts: dict[str, int],
+) -> None:
+    """Keep a finished group that passes the filter; count the others."""
+    if not _group_finished(group):
+        counts["unfinished_groups"] += 1
+    elif keep is not None and not _passes(keep, ctx, group):
+        counts["dropped_groups"] += 1
+    else:
+        kept.append(group)
+
+
+def _buffer_leftovers(source: DataSource, leftovers: list[Group], rollout_id: int) -> int:
+    """Put the groups still running at the end back in the buffer: aborted samples keep their partial
+    tokens and become pending again; finished samples stay as they are and are not regenerated."""
+    for group in leftovers:
+        for sample in group:
+            if sample.status not in FINISHED:
+                sample.status = Status.PENDING
+            if sample.response_length and "start_rollout_id" not in sample.metadata:
+                sample.metadata["start_rollout_id"] = rollout_id
+    source.add_to_buffer(leftovers)
+    return len(leftovers)
+
+
+def _passes(keep: Callable[..., Any], ctx: RolloutContext, group: Group) -> bool:
     verdict = keep(ctx.config, group)
     return bool(verdict[0] if isinstance(verdict, tuple) else verdict)
 
 
 async def _run_eval(ctx: RolloutContext, source: DataSource, start: float) -> RolloutResult:
+    """Every prompt of the eval set once, `eval.n_samples_per_prompt` times, with `eval.sampling`."""
     runner = _GroupRunner(ctx, evaluation=True)
-    groups = source.get_groups(len(source.records))
-    results = await asyncio.gather(*(runner.run_group(g) for g in groups))
-    return RolloutResult(list(results), rollout_metrics(list(results), time.perf_counter() - start, {}))
+    groups = source.get_groups(len(source.records), n_samples=ctx.config.eval.n_samples_per_prompt)
+    tasks = [asyncio.create_task(runner.run_group(g)) for g in groups]
+    try:
+        results = list(await asyncio.gather(*tasks))
+    except BaseException:
+        await runner.cancel(tasks)
+        raise
+    counts = {"timeouts": runner.timeouts, "failed_samples": runner.failures}
+    return RolloutResult(results, rollout_metrics(results, time.perf_counter() - start, counts))
 
 
 def rollout_metrics(groups: list[Group], seconds: float, counts: dict[str, Any]) -> dict[str, float]:
@@ -187,7 +283,9 @@ def rollout_metrics(groups: list[Group], seconds: float, counts: dict[str, Any])
         "response_length": tokens / len(samples) if samples else 0.0,
         "response_length_max": float(max(lengths, default=0)),
         "truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / max(len(samples), 1),
+        "aborted_ratio": sum(s.status == Status.ABORTED for s in samples) / max(len(samples), 1),
         "zero_std_group_ratio": zero_std / max(len(groups), 1),
+        "groups": float(len(groups)),
         "samples": float(len(samples)),
         "generated_tokens": float(tokens),
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,

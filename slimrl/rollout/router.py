@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 # Fields an RL client may need that a router could drop; probed at start-up.
 PROBED_FIELDS = ("return_routed_experts",)
+ANSWERS = {"return_routed_experts": "routed_experts"}
+"""Where each probed field's answer shows up in `meta_info`."""
 
 
 @dataclass
@@ -49,10 +51,16 @@ class Router:
             time.sleep(0.2)
         raise SlimError(f"router did not list worker {worker_url} within {timeout:.0f} s")
 
-    def deregister(self, worker_url: str) -> None:
+    def deregister(self, worker_url: str, timeout: float = 30.0) -> None:
+        """Remove a worker (asynchronous in 0.3) and wait until the router no longer lists it."""
         for worker in self.workers():
             if worker["url"] == worker_url:
                 requests.delete(f"{self.url}/workers/{worker['id']}", timeout=10)
+        deadline = time.monotonic() + timeout
+        while any(w["url"] == worker_url for w in self.workers()):
+            if time.monotonic() > deadline:
+                raise SlimError(f"router still lists worker {worker_url} after {timeout:.0f} s")
+            time.sleep(0.1)
 
     def workers(self) -> list[dict]:
         try:
@@ -60,18 +68,26 @@ class Router:
         except (requests.RequestException, ValueError):
             return []
 
-    def probe_dropped_fields(self, prompt_ids: list[int]) -> set[str]:
-        """Send a 1-token generate through the router asking for every probed field; a field whose
-        answer is missing was dropped on the way."""
+    def probe_dropped_fields(self, prompt_ids: list[int], engine_url: str | None = None) -> set[str]:
+        """Fields the router loses on the way to the engine.
+
+        Sends a 1-token generate asking for every probed field through the router (and, with
+        `engine_url`, straight to that engine): a field answered directly but not via the router
+        was dropped. Without `engine_url`, any missing answer counts as dropped.
+        """
         body = {
             "input_ids": prompt_ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True,
             **dict.fromkeys(PROBED_FIELDS, True),
         }
-        meta = requests.post(f"{self.url}/generate", json=body, timeout=60).json().get("meta_info", {})
-        answers = {"return_routed_experts": "routed_experts"}
-        self.dropped_fields = {f for f in PROBED_FIELDS if meta.get(answers[f]) is None}
+        # An engine may refuse a field it was not started for (SGLang needs
+        # --enable-return-routed-experts): then there is nothing for the router to drop.
+        direct = _probe_answers(engine_url, body) if engine_url else set(PROBED_FIELDS)
+        via_router = _probe_answers(self.url, body)
+        if via_router is None and direct is not None:
+            raise SlimError(f"sglang-router at {self.url} failed a 1-token /generate that its engines serve")
+        self.dropped_fields = (direct or set()) - (via_router or set())
         if self.dropped_fields:
             logger.info(
                 "router drops %s: such requests are routed by the client", sorted(self.dropped_fields)
@@ -79,10 +95,22 @@ class Router:
         return self.dropped_fields
 
 
-def launch_router(
-    host: str, port: int, model_path: str, policy: str, log_path: Path | None, timeout: float = 60.0
-) -> Router:
-    cmd = [
+def _probe_answers(url: str, body: dict) -> set[str] | None:
+    """The probed fields answered in `url`'s `/generate` response; None if the request failed."""
+    try:
+        response = requests.post(f"{url}/generate", json=body, timeout=60)
+    except requests.RequestException as exc:
+        logger.warning("probe /generate on %s failed: %s", url, exc)
+        return None
+    if response.status_code != 200:
+        logger.warning("probe /generate on %s: HTTP %d %s", url, response.status_code, response.text[:200])
+        return None
+    meta = response.json().get("meta_info", {})
+    return {f for f in PROBED_FIELDS if meta.get(ANSWERS[f]) is not None}
+
+
+def router_command(host: str, port: int, model_path: str, policy: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "sglang_router.launch_router",
@@ -105,17 +133,37 @@ def launch_router(
         # We restart dead engines ourselves; the router's own retries would duplicate requests.
         "--disable-retries",
     ]
-    process = ServerProcess(name="sglang-router", command=cmd, host=host, port=port, log_path=log_path)
+
+
+def start_router(host: str, port: int, model_path: str, policy: str, log_path: Path | None) -> Router:
+    """Start the router process without waiting (it comes up while the engines load)."""
+    command = router_command(host, port, model_path, policy)
+    process = ServerProcess(name="sglang-router", command=command, host=host, port=port, log_path=log_path)
     process.start()
+    return Router(process=process)
+
+
+def wait_router_ready(router: Router, timeout: float = 60.0) -> None:
+    """Poll `/liveness`; a router that exits or stays silent is stopped and reported."""
+    process = router.process
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not process.alive():
             raise SlimError(f"sglang-router exited while starting ({process.log_hint()})")
         try:
             if requests.get(f"{process.url}/liveness", timeout=1).status_code == 200:
-                return Router(process=process)
+                return
         except requests.RequestException:
             pass
         time.sleep(0.2)
     process.stop()
     raise SlimError(f"sglang-router not ready after {timeout:.0f} s ({process.log_hint()})")
+
+
+def launch_router(
+    host: str, port: int, model_path: str, policy: str, log_path: Path | None, timeout: float = 60.0
+) -> Router:
+    """Start the router and wait until it answers."""
+    router = start_router(host, port, model_path, policy, log_path)
+    wait_router_ready(router, timeout)
+    return router

@@ -2,18 +2,22 @@
 
 The same lifecycle serves real SGLang servers (GPU) and the embedded engine (`slimrl serve`, CPU);
 only the command line differs. Every process we start, we stop: servers run in their own process
-group and are terminated (then killed) as a group.
+group and are terminated (then killed) as a group, and on Linux the kernel terminates them if the
+process that started them dies without stopping them (even by SIGKILL).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,14 +48,22 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            self.command,
-            env={**os.environ, **self.env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() takes its children too
-        )
+        try:
+            self.process = subprocess.Popen(
+                self.command,
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() takes its children too
+                preexec_fn=_die_with_parent_hook(),
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # the child has its own copy
+        logger.debug("%s started: pid %d, %s", self.name, self.process.pid, self.url)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -77,6 +89,7 @@ class ServerProcess:
         return f"log: {self.log_path}" if self.log_path else "no log file"
 
     def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL it after `grace` s; then kill what is left of the group."""
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -84,10 +97,10 @@ class ServerProcess:
             try:
                 self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %.0f s; killing it", self.name, grace)
                 _signal_group(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=grace)
-        else:
-            _signal_group(self.process.pid, signal.SIGKILL)  # stray children of a dead server
+        _signal_group(self.process.pid, signal.SIGKILL)  # stray children of the server, if any
         self.process = None
 
     def kill(self) -> None:
@@ -104,8 +117,33 @@ class ServerProcess:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the kernel SIGTERM the server when we die, even by SIGKILL.
+
+    Linux only, and only from the main thread: the signal fires when the *thread* that forked
+    exits, so a server started from a short-lived worker thread would die with that thread.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return hook
 
 
 def embedded_command(config: SlimConfig, model_path: str, host: str, port: int, index: int) -> list[str]:

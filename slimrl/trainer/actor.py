@@ -62,6 +62,10 @@ class MegatronActor:
             from slimrl.megatron_bridge.loading import load_hf_into_megatron
 
             load_hf_into_megatron(chunks, self.arch, self.layout, self.config.model.hf_checkpoint)
+        if self.config.model.load:  # e.g. an SFT run's checkpoint: its weights, not its optimizer
+            from slimrl.megatron_bridge.dist_ckpt import load_model
+
+            load_model(chunks, Path(self.config.model.load))
         num_frozen = freeze(chunks, self.config.train.frozen_params)
         self.state = build_train_state(self.config, chunks, options, total_steps)
         self.weights = WeightStore(self.state.model)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from slimrl.config.schema import SlimConfig
+from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.megatron_config import (
     BuildOptions,
     layer_spec,
@@ -84,6 +85,44 @@ def _wire_schedule_hooks(model: list[Any]) -> None:
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
 
 
+def optimizer_config_kwargs(config: SlimConfig, options: BuildOptions, use_cuda: bool) -> dict[str, Any]:
+    """Keyword arguments of megatron-core's `OptimizerConfig` for this run.
+
+    `train.optimizer.cpu_offload` on GPU is Megatron-LM's `--optimizer-cpu-offload
+    --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer`: the HybridDeviceOptimizer
+    keeps all fp32 master weights and Adam state in host memory and steps there. Without
+    `optimizer_offload_fraction` (megatron-core's default is 0.0) it would offload nothing.
+    Megatron-LM requires the precision-aware optimizer with CPU offload, and that one requires the
+    distributed optimizer. On CPU the optimizer state already lives in host memory, and the hybrid
+    optimizer moves tensors between CUDA streams: the setting is a no-op there.
+    """
+    opt = config.train.optimizer
+    use_dist_opt = config.parallel.use_distributed_optimizer
+    kwargs: dict[str, Any] = dict(
+        optimizer=opt.name,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=options.params_dtype == torch.bfloat16,
+        params_dtype=options.params_dtype,
+        use_distributed_optimizer=use_dist_opt,
+    )
+    if opt.cpu_offload and use_cuda:
+        if not use_dist_opt:
+            raise ConfigError(
+                "train.optimizer.cpu_offload=true needs parallel.use_distributed_optimizer=true "
+                "(Megatron's CPU offload runs on the precision-aware distributed optimizer)"
+            )
+        kwargs.update(
+            optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True
+        )
+    return kwargs
+
+
 @dataclass
 class TrainState:
     """What one rank trains: DDP-wrapped chunks, the Megatron optimizer and the LR schedule."""
@@ -114,21 +153,7 @@ def build_train_state(
     _wire_schedule_hooks(model)
     opt = config.train.optimizer
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=opt.name,
-            lr=opt.lr,
-            min_lr=opt.min_lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2,
-            adam_eps=opt.adam_eps,
-            clip_grad=opt.clip_grad,
-            bf16=options.params_dtype == torch.bfloat16,
-            params_dtype=options.params_dtype,
-            use_distributed_optimizer=use_dist_opt,
-            optimizer_cpu_offload=opt.cpu_offload,
-        ),
-        model,
+        OptimizerConfig(**optimizer_config_kwargs(config, options, torch.cuda.is_available())), model
     )
     schedule = config.train.lr_schedule
     decay_steps = max(schedule.decay_steps or total_steps, 1)

@@ -15,7 +15,11 @@ equal a one-request-at-a-time decode token for token (batched and single forward
 float rounding, ~1e-6 in logprobs), and seeded sampling draws from a per-request generator.
 Logprobs are read from the distribution each token was sampled from (see `sampling`). With a
 `rescorer`, a finished request's `output_token_logprobs` are replaced by its answer (computed on
-the scheduler thread, only for requests that asked for logprobs).
+the scheduler thread, only for requests that asked for logprobs), and the largest difference to the
+decode-time logprobs is reported as `decode_logprob_max_abs_diff`. A rescorer with
+`wants_temperature = True` also receives the request's effective temperature; one with a
+`refresh(targets)` method is called after every weight update (`megatron_scorer.MegatronScorer`:
+trainer-identical logprobs for true on-policy RL).
 
 Weight updates run between two steps without waiting for in-flight requests to drain (SGLang
 waits unless paused): running requests continue under the new weights with their old KV cache,
@@ -58,8 +62,8 @@ from slimrl.rollout.embedded.weights import WeightTargets, load_checkpoint
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Rescorer = Callable[[list[int], int], list[float]]
-"""(prompt + response token ids, response length) -> one logprob per response token."""
+Rescorer = Callable[..., list[float]]
+"""(prompt + response token ids, response length[, temperature]) -> one logprob per response token."""
 SampleObserver = Callable[[str, torch.Tensor, int, float], None]
 """(rid, the [V] log-distribution sampled from, token, reported logprob): a test/debug hook."""
 
@@ -129,6 +133,8 @@ class GenerateResult:
     weight_version: str
     e2e_latency: float
     num_retractions: int = 0
+    decode_logprob_max_abs_diff: float | None = None
+    """With a rescorer: max |decode-time logprob - rescored logprob| over the response."""
 
     @property
     def completion_tokens(self) -> int:
@@ -472,6 +478,9 @@ class Engine:
 
     def _load(self, load: Callable[[], int], weight_version: str | None) -> int:
         count = load()
+        refresh = getattr(self.rescorer, "refresh", None)
+        if refresh is not None:  # keep the rescorer's copy of the weights in step
+            refresh(self.targets)
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return count
@@ -699,10 +708,10 @@ class Engine:
         if trim and isinstance(matched, str) and matched in text:
             text = text[: text.find(matched)]
         logprobs = list(req.logprobs)
+        decode_diff = None
         if self.rescorer is not None and spec.return_logprob and generated:
-            logprobs = [float(x) for x in self.rescorer(spec.input_ids + generated, len(generated))]
-            if len(logprobs) != len(generated):
-                raise EngineError(f"rescorer returned {len(logprobs)} logprobs for {len(generated)} tokens")
+            logprobs = self._rescore(spec.input_ids + generated, len(generated), p.effective_temperature)
+            decode_diff = max(abs(a - b) for a, b in zip(req.logprobs, logprobs, strict=True))
         return GenerateResult(
             rid=req.rid,
             prompt_ids=list(spec.input_ids),
@@ -717,7 +726,18 @@ class Engine:
             weight_version=self.weight_version,
             e2e_latency=time.monotonic() - req.arrival,
             num_retractions=req.retractions,
+            decode_logprob_max_abs_diff=decode_diff,
         )
+
+    def _rescore(self, tokens: list[int], response_length: int, temperature: float) -> list[float]:
+        assert self.rescorer is not None
+        if getattr(self.rescorer, "wants_temperature", False):
+            values = self.rescorer(tokens, response_length, temperature)
+        else:
+            values = self.rescorer(tokens, response_length)
+        if len(values) != response_length:
+            raise EngineError(f"rescorer returned {len(values)} logprobs for {response_length} tokens")
+        return [float(x) for x in values]
 
     def _routed_rows(self, req: _Req) -> torch.Tensor:
         """Rows for positions start .. seq_len-2: every token that went through the model."""

@@ -289,6 +289,8 @@ def generate_response(
             else []
         )
         meta["output_token_logprobs_length"] = len(result.generated_ids)
+        if result.decode_logprob_max_abs_diff is not None:
+            meta["decode_logprob_max_abs_diff"] = result.decode_logprob_max_abs_diff
     if request.return_routed_experts and result.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(result.routed_experts)
         meta["routed_experts_start_len"] = request.routed_experts_start_len

@@ -79,6 +79,8 @@ class ServerArgs:
     seed: int = 0
     weight_version: str = "default"
     group_timeout_s: float = 120.0
+    true_on_policy: bool = False
+    """Report trainer-identical logprobs (`megatron_scorer.MegatronScorer`)."""
 
 
 class HttpError(Exception):
@@ -168,11 +170,17 @@ class EmbeddedServer:
     # ------------------------------------------------------------------ app
 
     def _make_engine(self) -> Engine:
+        rescorer = None
+        if self.args.true_on_policy:
+            from slimrl.rollout.embedded.megatron_scorer import MegatronScorer
+
+            rescorer = MegatronScorer(self.args.model_path, seed=self.args.seed)
         return Engine(
             self.args.model_path,
             max_running_requests=self.args.max_running_requests,
             seed=self.args.seed,
             weight_version=self.args.weight_version,
+            rescorer=rescorer,
         )
 
     def _build_app(self) -> web.Application:
@@ -396,6 +404,7 @@ class EmbeddedServer:
                 "enable_return_routed_experts": engine.is_moe,
                 "weight_version": engine.weight_version,
                 "random_seed": self.args.seed,
+                "true_on_policy": self.args.true_on_policy,
                 "max_running_requests": engine.max_running_requests,
                 "context_length": engine.context_length,
                 "max_req_input_len": engine.context_length - 1,

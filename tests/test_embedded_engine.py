@@ -372,14 +372,24 @@ def test_tensor_payloads_round_trip_and_refuse_other_globals():
         ("b", torch.ones(3, dtype=torch.bfloat16)),
         ("p", torch.nn.Parameter(base.clone())),
     ]
-    for load_format, payload in (
+    for load_format, (payload, files) in (
         (None, tt.serialize_named_tensors(named)),
-        ("flattened_bucket", tt.serialize_flattened_bucket(named)[0]),
+        ("flattened_bucket", tt.serialize_flattened_bucket(named)),
     ):
+        assert all(path.parent == tt.SHARED_DIR for path in files.paths)
         decoded = tt.decode_update_payload(payload, load_format)
+        files.release()  # the decoded tensors map private copies: they survive the unlink
+        assert not any(path.exists() for path in files.paths)
         assert [n for n, _ in decoded] == ["a", "b", "p"]
         for (_, got), (_, want) in zip(decoded, named, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want.detach())
+
+    class Forged:  # a payload naming a file outside the shared directory
+        def __reduce__(self):
+            return (tt.rebuild_shared_file, ("../../etc/passwd", torch.uint8, torch.Size([4])))
+
+    with pytest.raises(ValueError, match="not one of ours"):
+        tt.deserialize(base64.b64encode(pickle.dumps(Forged())).decode())
     flat = tt.pack_flat_buffer([t.detach() for _, t in named])
     split = tt.split_flat_buffer(
         flat, ["a", "b", "p"], [t.dtype for _, t in named], [t.shape for _, t in named]

@@ -324,7 +324,7 @@ def test_update_weights_from_disk(server, refs):
 
 def test_update_weights_from_tensor_through_shared_memory(server, refs):
     other = load_file(str(server.other / "model.safetensors"))
-    payload, keepalive = tensor_transport.serialize_flattened_bucket(sorted(other.items()))
+    payload, files = tensor_transport.serialize_flattened_bucket(sorted(other.items()))
     body = {
         "serialized_named_tensors": [payload],
         "load_format": "flattened_bucket",
@@ -334,22 +334,21 @@ def test_update_weights_from_tensor_through_shared_memory(server, refs):
     assert len(payload) < 100_000  # names and shared-memory handles only: no weight bytes over HTTP
     response = server.post("/update_weights_from_tensor", body)
     assert response.status_code == 200, response.text
-    del keepalive
+    files.release()
     assert _out(server) == _greedy(refs["seed1"], PROMPT, 8)
     assert server.get("/get_weight_version", auth=False).json() == {"weight_version": "5"}
 
     base = load_file(str(server.model / "model.safetensors"))
-    bad = tensor_transport.serialize_named_tensors(
+    bad, _ = tensor_transport.serialize_named_tensors(
         [("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(1))]
     )
     response = server.post(
         "/update_weights_from_tensor", {"serialized_named_tensors": [bad], "load_format": None}
     )
     assert response.status_code == 400 and "experts.9.up_proj" in response.json()["message"]
-    response = server.post(
-        "/update_weights_from_tensor",
-        {"serialized_named_tensors": [tensor_transport.serialize_named_tensors(base.items())]},
-    )
+    restore, files = tensor_transport.serialize_named_tensors(base.items())
+    response = server.post("/update_weights_from_tensor", {"serialized_named_tensors": [restore]})
+    files.release()
     assert response.status_code == 200
     assert _out(server) == _greedy(refs["seed0"], PROMPT, 8)
 

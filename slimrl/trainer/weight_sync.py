@@ -53,15 +53,19 @@ class _TensorTransport:
     def send(self, pool: ThreadPoolExecutor, bucket: NamedTensors) -> None:
         from slimrl.rollout.embedded.tensor_transport import serialize_flattened_bucket
 
-        payload, keepalive = serialize_flattened_bucket(bucket)
+        payload, files = serialize_flattened_bucket(bucket)
         body = {
             "serialized_named_tensors": [payload],
             "load_format": "flattened_bucket",
             "flush_cache": False,
             "weight_version": self.version,
         }
-        _all_engines(pool, self.urls, lambda u: _post(u, "update_weights_from_tensor", body, self.api_key))
-        del keepalive  # the engines have copied the bytes out of shared memory
+        try:
+            _all_engines(
+                pool, self.urls, lambda u: _post(u, "update_weights_from_tensor", body, self.api_key)
+            )
+        finally:
+            files.release()  # the engines have copied the bytes out of shared memory
 
     def finish(self, pool: ThreadPoolExecutor) -> None:
         pass

@@ -670,7 +670,6 @@ async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None)
 
 def run(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
     """Blocking entry point for the CLI."""
-    tensor_transport.use_file_system_sharing()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         import torch

@@ -3,18 +3,19 @@
 Two transports, both with SGLang's wire formats so one trainer-side client serves SGLang and the
 embedded engine alike:
 
-* **Shared memory** (`/update_weights_from_tensor`, SGLang's CUDA-IPC path on GPUs). Tensors are
-  pickled with `multiprocessing.reduction.ForkingPickler`: torch's reductions move a CPU tensor's
-  storage into shared memory and pickle only its name, so no weight bytes go through HTTP. The
-  "file_system" sharing strategy is required on both sides: the default "file_descriptor" strategy
-  passes fds through a socket that only the producer's own child processes may connect to. The
-  producer must keep the tensors alive until the engine has answered.
+* **Shared memory** (`/update_weights_from_tensor`, SGLang's CUDA-IPC path on GPUs). The payload
+  is a pickle in which every CPU tensor is replaced by the name of a file in `/dev/shm` holding its
+  bytes (CUDA tensors keep torch's IPC reduction, which is what SGLang expects), so no weight bytes
+  go through HTTP. We do not use torch's own CPU sharing: its "file_system" strategy starts a
+  `torch_shm_manager` daemon that outlives the trainer while any engine still maps a segment,
+  holding the trainer's stdout open (a parent waiting on that pipe hangs). The producer owns the
+  files and unlinks them once every engine has answered (`SharedFiles.release`).
 * **A gloo group** (`/init_weights_update_group` + `/update_weights_from_distributed`, SGLang's NCCL
   path). The group is built from a `TCPStore` + `ProcessGroupGloo` directly, never the default
   process group, so it can coexist with the trainer's own `torch.distributed` world.
 
 Payloads are decoded with an allow-listed unpickler (like SGLang 0.5.23's `SafeUnpickler`): only
-torch's tensor/storage rebuild functions, dtypes, sizes and `FlattenedTensorMetadata` may appear.
+our shared-file rebuild, dtypes, sizes and `FlattenedTensorMetadata` may appear.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ import base64
 import binascii
 import datetime
 import io
+import os
 import pickle
+import tempfile
+import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,14 +48,6 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
-
-
-def use_file_system_sharing() -> None:
-    """Shared CPU tensors by file name, so that unrelated processes can attach (see module doc)."""
-    import torch.multiprocessing
-
-    if torch.multiprocessing.get_sharing_strategy() != "file_system":
-        torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 # --------------------------------------------------------------------------- flattened buckets
@@ -143,39 +140,85 @@ def pack_flat_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # --------------------------------------------------------------------------- (de)serialization
 
 
-def serialize(obj: Any) -> str:
-    """ForkingPickler bytes of `obj`, base64 text (SGLang's `MultiprocessingSerializer(output_str=True)`).
+SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_FILE_PREFIX = "slimrl-weights-"
 
-    CPU tensors inside `obj` are moved into shared memory; keep them alive until the engine answers.
-    """
-    from multiprocessing.reduction import ForkingPickler
 
-    use_file_system_sharing()
+@dataclass
+class SharedFiles:
+    """The shared-memory files behind one payload: keep them until every engine has answered."""
+
+    paths: list[Path] = field(default_factory=list)
+
+    def add(self, nbytes: int) -> Path:
+        path = SHARED_DIR / f"{_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.paths.append(path)
+        return path
+
+    def release(self) -> None:
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+        self.paths.clear()
+
+    def __del__(self) -> None:  # a failed call must not leave weights in /dev/shm
+        self.release()
+
+
+def rebuild_shared_file(name: str, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """Map a tensor the producer left in `SHARED_DIR` (a private mapping: it outlives the unlink)."""
+    if os.path.basename(name) != name or not name.startswith(_FILE_PREFIX):
+        raise ValueError(f"shared tensor file `{name}` is not one of ours")
+    numel = torch.Size(shape).numel()
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_file(str(SHARED_DIR / name), shared=False, size=numel, dtype=dtype).reshape(shape)
+
+
+class _SharedFilePickler(pickle.Pickler):
+    def __init__(self, buf: io.BytesIO, files: SharedFiles) -> None:
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.files = files
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if obj.is_cuda:  # SGLang's path: CUDA IPC handles
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            return reduce_tensor(obj)
+        tensor = obj.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        path = self.files.add(nbytes)
+        if nbytes:
+            target = torch.from_file(str(path), shared=True, size=tensor.numel(), dtype=tensor.dtype)
+            target.copy_(tensor.reshape(-1))
+        return rebuild_shared_file, (path.name, tensor.dtype, torch.Size(tensor.shape))
+
+
+def serialize(obj: Any) -> tuple[str, SharedFiles]:
+    """Pickled `obj` as base64 text (SGLang's `MultiprocessingSerializer(output_str=True)` shape),
+    with its CPU tensors moved to shared-memory files that the caller releases after the call."""
+    files = SharedFiles()
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    _SharedFilePickler(buf, files).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), files
 
 
-def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, SharedFiles]:
     """A `load_format: null` entry of `serialized_named_tensors`: a pickled list of (name, tensor)."""
     return serialize([(name, tensor) for name, tensor in named_tensors])
 
 
-def serialize_flattened_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, Any]:
-    """A `load_format: "flattened_bucket"` entry, and the bucket to keep alive until the call returns."""
-    bucket = flatten_named_tensors(named_tensors)
-    return serialize(bucket), bucket
+def serialize_flattened_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, SharedFiles]:
+    """A `load_format: "flattened_bucket"` entry."""
+    return serialize(flatten_named_tensors(named_tensors))
 
 
-_TORCH_REBUILDS = frozenset(
-    {
-        "rebuild_tensor",
-        "rebuild_typed_storage",
-        "rebuild_typed_storage_child",
-        "rebuild_storage_filename",
-        "rebuild_storage_empty",
-    }
-)
 _METADATA_ALIASES = frozenset(
     {
         (__name__, "FlattenedTensorMetadata"),
@@ -191,26 +234,17 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_ALIASES:
             return FlattenedTensorMetadata
-        if module == "torch.multiprocessing.reductions" and name in _TORCH_REBUILDS:
-            import torch.multiprocessing.reductions as reductions
-
-            return getattr(reductions, name)
-        if (module, name) in {("torch", "Tensor"), ("torch", "Size"), ("torch.nn.parameter", "Parameter")}:
-            return getattr(torch, name) if module == "torch" else torch.nn.Parameter
-        if module == "torch.storage" and name in {"UntypedStorage", "TypedStorage"}:
-            return getattr(torch.storage, name)
+        if (module, name) == (__name__, "rebuild_shared_file"):
+            return rebuild_shared_file
+        if (module, name) == ("torch", "Size"):
+            return torch.Size
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module == "collections" and name == "OrderedDict":
-            import collections
-
-            return collections.OrderedDict
         raise pickle.UnpicklingError(f"blocked unsafe global {module}.{name}")
 
 
 def deserialize(data: str | bytes) -> Any:
     """Decode one `serialized_named_tensors` entry (base64 text, or raw bytes from in-process callers)."""
-    use_file_system_sharing()
     if isinstance(data, str):
         try:
             data = base64.b64decode(data, validate=True)

@@ -37,6 +37,15 @@ def _plan(args: argparse.Namespace) -> None:
     check_fits(memory)
 
 
+def _plot(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from slimrl.utils.plot import plot_metric
+
+    out = Path(args.out) if args.out else Path(args.run_dir) / (args.key.replace("/", "_") + ".png")
+    print(f"wrote {plot_metric(Path(args.run_dir), out, args.key, args.window)}")
+
+
 def _make_tiny(args: argparse.Namespace) -> None:
     from slimrl.data.tiny_models import make_tiny
 
@@ -118,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan for this device (default: cluster.device; `auto` resolves on this machine)",
     )
     plan.set_defaults(handler=_plan)
+
+    plot = sub.add_parser("plot", help="plot one metric of a run (metrics.jsonl) to a PNG")
+    plot.add_argument("run_dir", help="run directory, e.g. runs/tiny_moe_grpo")
+    plot.add_argument("--key", default="rollout/raw_reward")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/<key>.png)")
+    plot.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
+    plot.set_defaults(handler=_plot)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
     tiny.add_argument(

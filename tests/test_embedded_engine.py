@@ -104,6 +104,32 @@ def test_continuous_batching_equals_sequential_greedy(engine, reference):
         torch.testing.assert_close(torch.tensor(result.output_token_logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_requests_arriving_together_share_one_prefill(moe_path, reference):
+    """Left-padded batched prefill: same tokens and logprobs as the reference, one forward for all."""
+    with Engine(moe_path, max_running_requests=32, start=False) as eng:
+        prompts = [p[: 3 + i % 7] for i, p in enumerate(_prompts(eng, 12))]
+        max_new = [1 if i % 3 == 0 else 5 for i in range(12)]  # some finish at their first token
+        futures = [
+            eng.submit(
+                GenerateRequest(
+                    input_ids=prompt,
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+                    return_logprob=True,
+                )
+            )
+            for prompt, n in zip(prompts, max_new, strict=True)
+        ]
+        eng.start()  # everything is waiting: the first step prefills all twelve together
+        results = [f.result(60) for f in futures]
+        assert eng.steps <= max(max_new)  # one prefill step, then the decodes
+    for prompt, result, n in zip(prompts, results, max_new, strict=True):
+        assert result.generated_ids == _greedy(reference, prompt, n, True)
+        logits = _logits(reference, prompt + result.generated_ids)
+        dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        expected = dist.gather(1, torch.tensor(result.generated_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(result.output_token_logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_sampled_logprobs_are_the_sampling_steps_own(moe_path, reference):
     seen: dict[str, list[tuple[torch.Tensor, int, float]]] = {}
 

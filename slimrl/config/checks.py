@@ -82,6 +82,10 @@ def check_config(config: SlimConfig) -> None:
         value = _get(config, key)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key}={value}: must be a positive integer")
+    for key in ("checkpoint.save_interval", "eval.interval"):
+        value = _get(config, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value}: must be a positive number of steps, or null for never")
     _check_paths(config)
     _check_cluster(config)
     _check_parallel(config)

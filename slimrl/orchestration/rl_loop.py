@@ -102,6 +102,13 @@ def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
     return split_for_dp(samples, dp, per_token)
 
 
+def oldest_weight_version(groups: list[list[Sample]]) -> int:
+    """The oldest policy version (updates applied) any token of the rollout was sampled with;
+    the engines' initial HF weights count as version 0."""
+    versions = [int(v) if v.isdigit() else 0 for g in groups for s in g for v in s.weight_versions]
+    return min(versions, default=0)
+
+
 def weight_transport(config: SlimConfig) -> str:
     choice = config.rollout.weight_sync
     if choice != "auto":
@@ -182,6 +189,7 @@ class RLRun:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
                 groups, rollout = ray.get(pending.popleft())
                 rollout_seconds = time.perf_counter() - step_start
+                rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
                 if self.offload:
                     self.fleet.control("release_memory_occupation")
@@ -210,11 +218,15 @@ class RLRun:
         metrics.update({k: v for k, v in train.items() if k.startswith("train/")})
         metrics["rollout/engine_restarts"] = float(self.fleet.restarts)
         elapsed = time.perf_counter() - start
-        compute = rollout.get("seconds", 0.0) + train.get("perf/train_seconds", 0.0)
+        # Generation = the rollout as the manager timed it (requests out, scored samples back);
+        # training = the trainer ranks' own time. Everything else is orchestration overhead.
+        train_compute = train.get("perf/train_seconds", 0.0)
+        compute = rollout.get("seconds", 0.0) + train_compute
         metrics.update(
             {
                 "perf/rollout_seconds": rollout_s,
                 "perf/train_seconds": train_s,
+                "perf/train_compute_seconds": train_compute,
                 "perf/generation_tokens_per_s": rollout.get("tokens_per_s", 0.0),
                 "perf/overhead_ratio": max(0.0, 1.0 - compute / elapsed) if elapsed > 0 else 0.0,
             }

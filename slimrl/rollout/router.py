@@ -10,6 +10,7 @@ go to each engine directly.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -132,7 +133,18 @@ def router_command(host: str, port: int, model_path: str, policy: str) -> list[s
         "3600",
         # We restart dead engines ourselves; the router's own retries would duplicate requests.
         "--disable-retries",
+        # Its metrics exporter defaults to port 29000 for every router: two runs on a host collide.
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(_free_port(host)),
     ]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def start_router(host: str, port: int, model_path: str, policy: str, log_path: Path | None) -> Router:

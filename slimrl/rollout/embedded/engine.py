@@ -68,6 +68,8 @@ SampleObserver = Callable[[str, torch.Tensor, int, float], None]
 """(rid, the [V] log-distribution sampled from, token, reported logprob): a test/debug hook."""
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+PREFILL_TOKEN_BUDGET = 8192
+"""Padded tokens per batched prefill forward (bounds its activation memory)."""
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -538,12 +540,22 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            while self._waiting and len(self._running) < self.max_running_requests:
+            batch: list[_Req] = []
+            while self._waiting and len(self._running) + len(batch) < self.max_running_requests:
                 req = self._waiting.popleft()
+                if self._batchable(req):
+                    batch.append(req)
+                    continue
                 try:
                     self._prefill(req)
                 except Exception as exc:
                     self._fail(req, exc)
+            for chunk in self._chunks(batch):
+                try:
+                    self._prefill_together(chunk)
+                except Exception as exc:
+                    for req in chunk:
+                        self._fail(req, exc)
             if self._running:
                 self._decode()
         except Exception as exc:
@@ -608,6 +620,74 @@ class Engine:
             self._finish(req, reason)
         else:
             self._join(req, cache)
+
+    def _batchable(self, req: _Req) -> bool:
+        """New requests that need nothing per prompt token share one prefill forward."""
+        spec = req.spec
+        wants_input_lp = spec.return_logprob and spec.logprob_start_len >= 0
+        return not req.output and req.max_new > 0 and not wants_input_lp and not spec.return_routed_experts
+
+    @staticmethod
+    def _chunks(batch: list[_Req]) -> Iterator[list[_Req]]:
+        """Prefill groups of similar prompt lengths, each within PREFILL_TOKEN_BUDGET padded tokens."""
+        batch = sorted(batch, key=lambda r: len(r.spec.input_ids))
+        chunk: list[_Req] = []
+        for req in batch:
+            width = len(req.spec.input_ids)  # sorted: the newest is the longest
+            if chunk and width * (len(chunk) + 1) > PREFILL_TOKEN_BUDGET:
+                yield chunk
+                chunk = []
+            chunk.append(req)
+        if chunk:
+            yield chunk
+
+    def _prefill_together(self, reqs: list[_Req]) -> None:
+        from transformers import DynamicCache
+
+        if len(reqs) == 1:
+            self._prefill(reqs[0])
+            return
+        width = max(len(r.spec.input_ids) for r in reqs)
+        pads = [width - len(r.spec.input_ids) for r in reqs]
+        ids = torch.tensor([[0] * pad + r.spec.input_ids for r, pad in zip(reqs, pads, strict=True)])
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate(pads):
+            mask[row, :pad] = 0
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits, _ = self._forward(
+            False,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
+        sample = sample_step(
+            logits[:, -1],
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            [self._suppressed(r) for r in reqs],
+        )
+        keep = []
+        for row, req in enumerate(reqs):
+            self._accept(req, sample.tokens[row], sample.logprobs[row], sample.distributions[row])
+            reason = self._finish_reason(req)
+            if reason is None:
+                keep.append(row)
+            else:
+                self._finish(req, reason)
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            index = torch.tensor(keep, dtype=torch.long)
+            for layer in cache.layers:
+                layer.keys, layer.values = (
+                    layer.keys.index_select(0, index),
+                    layer.values.index_select(0, index),
+                )
+        self._running.extend(reqs[row] for row in keep)
+        self._kv.add(cache, [pads[row] for row in keep])
 
     def _input_logprobs(self, req: _Req, logits: torch.Tensor) -> list[float | None]:
         prompt = req.spec.input_ids

@@ -6,8 +6,9 @@ attention mask; its RoPE positions come from explicit `position_ids` (= its real
 padding changes neither what a token attends to nor its position. This is the layout transformers'
 own batched `generate` uses, which is why its attention/mask code handles it exactly.
 
-* admission: a request is prefilled alone into its own cache, then `add` left-pads whichever side
-  is shorter and concatenates along the batch dimension;
+* admission: new requests are prefilled together, left-padded to the longest prompt (or alone
+  when they need per-token extras), then `add` left-pads whichever side is shorter and
+  concatenates along the batch dimension;
 * exit: `keep` drops rows and then strips the columns that are padding in every remaining row.
 """
 
@@ -48,21 +49,35 @@ class BatchKV:
         """Tokens actually cached per row."""
         return [self.length - pad for pad in self.pads]
 
-    def add(self, single: DynamicCache) -> None:
-        """Append a request's own cache (batch size 1) as the last row."""
-        new_len = single.get_seq_length()
+    def add(self, cache: DynamicCache, pads: list[int] | None = None) -> None:
+        """Append the rows of a prefilled `cache` (left-padded by `pads`, default none) at the end."""
+        pads = [0] * _layers(cache)[0].keys.shape[0] if pads is None else pads
+        new_len = cache.get_seq_length()
         if self.cache is None:
-            self.cache, self.pads, self.length = single, [0], new_len
+            self.cache, self.pads, self.length = cache, list(pads), new_len
+            self._strip()
             return
         grow = max(new_len - self.length, 0)
-        for mine, theirs in zip(_layers(self.cache), _layers(single), strict=True):
-            their_pad = self.length + grow - new_len
+        their_pad = self.length + grow - new_len
+        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
             mine.keys = torch.cat([_left_pad(mine.keys, grow), _left_pad(theirs.keys, their_pad)], dim=0)
             mine.values = torch.cat(
                 [_left_pad(mine.values, grow), _left_pad(theirs.values, their_pad)], dim=0
             )
-        self.pads = [pad + grow for pad in self.pads] + [self.length + grow - new_len]
+        self.pads = [pad + grow for pad in self.pads] + [pad + their_pad for pad in pads]
         self.length += grow
+        self._strip()
+
+    def _strip(self) -> None:
+        """Drop leading columns that are padding in every row."""
+        strip = min(self.pads, default=0)
+        if strip == 0 or self.cache is None:
+            return
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys[..., strip:, :]
+            layer.values = layer.values[..., strip:, :]
+        self.pads = [pad - strip for pad in self.pads]
+        self.length -= strip
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order); drop columns that became padding for every row."""
@@ -73,13 +88,11 @@ class BatchKV:
             return
         assert self.cache is not None
         index = torch.tensor(rows, dtype=torch.long)
-        pads = [self.pads[r] for r in rows]
-        strip = min(pads)
         for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)[..., strip:, :]
-            layer.values = layer.values.index_select(0, index)[..., strip:, :]
-        self.pads = [pad - strip for pad in pads]
-        self.length -= strip
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        self.pads = [self.pads[r] for r in rows]
+        self._strip()
 
     def grew(self) -> None:
         """Record that a decode forward appended one column to every row."""

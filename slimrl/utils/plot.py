@@ -1,0 +1,64 @@
+"""Curves of a run's metrics (`metrics.jsonl`) as a PNG: what the README shows for `make demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from slimrl.errors import SlimError
+
+
+def read_series(metrics_path: Path, key: str) -> tuple[list[int], list[float]]:
+    if not metrics_path.is_file():
+        raise SlimError(f"{metrics_path}: no metrics file (is this a run directory?)")
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    points = [(int(r["step"]), float(r[key])) for r in rows if key in r]
+    if not points:
+        keys = sorted({k for r in rows for k in r if k != "step"})
+        raise SlimError(f"{metrics_path}: no `{key}` values (keys: {', '.join(keys[:12])}, ...)")
+    steps, values = zip(*points, strict=True)
+    return list(steps), list(values)
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_metric(run_dir: Path, out: Path, key: str = "rollout/raw_reward", window: int = 10) -> Path:
+    """Raw values and their trailing mean over `window` steps; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, values = read_series(Path(run_dir) / "metrics.jsonl", key)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    ax.plot(steps, values, color="#9bbcdb", linewidth=1, label=key)
+    ax.plot(
+        steps, moving_average(values, window), color="#1f5a96", linewidth=2, label=f"mean of last {window}"
+    )
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel(key)
+    ax.set_title(f"{Path(run_dir).name}: {key}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return out

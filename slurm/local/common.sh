@@ -1,0 +1,81 @@
+# Shared by start_cluster.sh and stop_cluster.sh (sourced, not run).
+#
+# The local cluster must never touch daemons it did not start: the machine may already run a
+# munged or a Slurm of its own. So every daemon we start is recorded as "pid starttime comm"
+# (starttime = field 22 of /proc/<pid>/stat, in clock ticks since boot), and a record only counts
+# while /proc still shows that very process: a recycled pid has another start time.
+# shellcheck shell=bash
+
+RUN_DIR=${SLIMRL_SLURM_RUN_DIR:-/run/slimrl-local-slurm}
+
+log() { printf '[%s %s] %s\n' "$(basename "$0" .sh)" "$(date +%H:%M:%S)" "$*" >&2; }
+die() {
+  log "ERROR: $*"
+  exit 1
+}
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+proc_starttime() {
+  # comm may contain spaces and parentheses: drop everything up to the last ')' first.
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  # After "comm)" the fields start at field 3 (state); starttime is field 22.
+  awk '{ print $20 }' <<<"$stat"
+}
+proc_comm() { cat "/proc/$1/comm" 2>/dev/null; }
+
+# record_pid NAME PID: remember that we started PID as daemon NAME.
+record_pid() {
+  mkdir -p "$RUN_DIR"
+  printf '%s %s %s\n' "$2" "$(proc_starttime "$2")" "$(proc_comm "$2")" >"$RUN_DIR/$1.rec"
+}
+
+# our_pid NAME: print the pid of daemon NAME if we started it and it is still that process.
+our_pid() {
+  local rec="$RUN_DIR/$1.rec" pid start comm
+  [ -s "$rec" ] || return 1
+  read -r pid start comm <"$rec"
+  [ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
+  [ "$(proc_starttime "$pid")" = "$start" ] && [ "$(proc_comm "$pid")" = "$comm" ] || return 1
+  echo "$pid"
+}
+
+# pidfile_pid PIDFILE COMM: print the pid in PIDFILE if a process named COMM has it.
+pidfile_pid() {
+  local pid
+  [ -s "$1" ] || return 1
+  pid=$(tr -dc '0-9' <"$1")
+  [ -n "$pid" ] && [ "$(proc_comm "$pid")" = "$2" ] || return 1
+  echo "$pid"
+}
+
+# stop_ours NAME...: SIGTERM every named daemon we started, wait for all of them together
+# (each takes ~2 s to exit, so waiting in parallel saves seconds), SIGKILL after 15 s.
+stop_ours() {
+  local name pid pids=() names=() i alive
+  for name in "$@"; do
+    if pid=$(our_pid "$name"); then
+      kill -TERM "$pid" 2>/dev/null || true
+      pids+=("$pid")
+      names+=("$name")
+    elif [ -e "$RUN_DIR/$name.rec" ]; then
+      log "$name: the process we started is already gone"
+    fi
+  done
+  for ((i = 0; i < 150; i++)); do
+    alive=0
+    for pid in "${pids[@]}"; do [ -d "/proc/$pid" ] && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.1
+  done
+  for i in "${!pids[@]}"; do
+    if our_pid "${names[$i]}" >/dev/null; then
+      log "${names[$i]} (pid ${pids[$i]}) ignored SIGTERM for 15 s: SIGKILL"
+      kill -KILL "${pids[$i]}" 2>/dev/null || true
+    fi
+    log "stopped ${names[$i]} (pid ${pids[$i]})"
+  done
+  for name in "$@"; do rm -f "$RUN_DIR/$name.rec"; done
+}

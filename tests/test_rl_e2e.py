@@ -1,0 +1,154 @@
+"""`slimrl train` with GRPO end to end on Ray: two Megatron ranks (EP2), two embedded engines behind
+sglang-router, weight sync every step. Faults are real: an engine process is SIGKILLed mid-run, the
+driver is SIGTERMed and started again."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+CONFIG = REPO / "configs" / "tiny_moe_grpo_cpu.yaml"
+
+
+def command(tmp_path: Path, name: str, model: Path, data: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable, "-m", "slimrl.cli", "train", str(CONFIG), f"model.hf_checkpoint={model}",
+        f"data.prompt_data={data}", f"run.runs_dir={tmp_path}", f"run.name={name}",
+        "rollout.rollout_batch_size=16", *overrides,
+    ]  # fmt: skip
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(rows(run_dir)) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {step} (exit code {proc.poll()})")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
+    steps = 6
+    cmd = command(
+        tmp_path, "grpo", tiny_model("qwen3_moe"), mod_sum_data,
+        f"train.num_steps={steps}", "checkpoint.save_interval=3",
+    )  # fmt: skip
+    run_dir = tmp_path / "grpo"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        wait_for_step(run_dir, 2, proc)
+        victim = int((run_dir / "logs" / "engine0.pid").read_text())
+        os.kill(victim, signal.SIGKILL)  # mid-run: the next rollout is already under way
+        assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
+    finally:
+        proc.kill()
+    reader.join(10)
+    log = "".join(output)
+
+    metrics = rows(run_dir)
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    for key in (
+        "rollout/raw_reward", "rollout/response_length", "rollout/truncated_ratio", "rollout/tokens_per_s",
+        "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac", "train/ppo_kl",
+        "train/train_rollout_logprob_abs_diff", "perf/rollout_seconds", "perf/train_seconds",
+        "perf/weight_sync_seconds", "perf/step_seconds", "perf/overhead_ratio",
+    ):  # fmt: skip
+        assert all(isinstance(r[key], float) for r in metrics), key
+    assert metrics[-1]["rollout/engine_restarts"] >= 1
+    assert "is dead: restarting it" in log
+    # Every engine, the restarted one included, scores with the trainer's current weights.
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < 1e-4
+    assert all(r["rollout/samples"] == 16 * 8 for r in metrics)  # in-flight samples were regenerated
+    new_pid = int((run_dir / "logs" / "engine0.pid").read_text())
+    assert new_pid != victim and not alive(new_pid)  # replaced, then stopped with the run
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    rewards = events.Scalars("rollout/raw_reward")
+    assert [e.step for e in rewards] == list(range(1, steps + 1))
+    assert rewards[-1].value == pytest.approx(metrics[-1]["rollout/raw_reward"], rel=1e-6)
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip().endswith("6")
+
+
+def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
+    steps = 5
+    cmd = command(
+        tmp_path, "resume", tiny_model("qwen3_moe"), mod_sum_data,
+        f"train.num_steps={steps}", "checkpoint.save_interval=2", "logging.tensorboard=false",
+    )  # fmt: skip
+    run_dir = tmp_path / "resume"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 3, proc)
+        engine_pids = [int(p.read_text()) for p in (run_dir / "logs").glob("engine*.pid")]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert not [pid for pid in engine_pids if alive(pid)], "engine servers outlived the run"
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert done and all(not name.startswith(".") for name in done), done  # nothing partial published
+    interrupted = rows(run_dir)
+
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "resumed from" in again.stderr
+    final = rows(run_dir)
+    assert [r["step"] for r in final] == list(range(1, steps + 1))
+    resumed_at = int(again.stderr.split("resumed from", 1)[1].split("(step ", 1)[1].split(")")[0])
+    assert resumed_at in (2, 4) and resumed_at <= len(interrupted)
+    assert final[:resumed_at] == interrupted[:resumed_at]  # the steps before the checkpoint are kept
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in final) < 1e-4  # engines re-synced
+
+
+def test_async_disaggregated_run(tmp_path, tiny_model, mod_sum_data):
+    """One training rank, one engine on its own slot, rollout k+1 generated while step k trains."""
+    steps = 4
+    cmd = command(
+        tmp_path, "async", tiny_model("qwen3_moe"), mod_sum_data,
+        f"train.num_steps={steps}", "cluster.colocate=false", "cluster.rollout_gpus=1",
+        "rollout.num_engines=1", "parallel.ep=1", "algorithm.async_staleness=1",
+        "logging.tensorboard=false",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    metrics = rows(tmp_path / "async")
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    # Rollout k+1 was sampled before update k: off-policy by one step, which the trainer sees.
+    assert metrics[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert [r["rollout/weight_version_lag"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
+    moved = [now for before, now in itertools.pairwise(metrics) if before["train/grad_norm"] > 0]
+    assert moved, "no update changed the weights"
+    assert all(r["train/train_rollout_logprob_abs_diff"] > 1e-6 for r in moved)

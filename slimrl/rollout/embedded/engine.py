@@ -4,9 +4,10 @@ One dedicated thread owns the model. Each scheduler step
 
 1. runs queued control commands (abort, pause, weight loads, ...): they always execute *between*
    forwards, so a weight update never races a forward;
-2. admits waiting requests up to `max_running_requests`: each is prefilled alone into its own KV
-   cache, its first token is sampled from the prefill logits, and its cache is merged into the
-   running batch (`kv_cache.BatchKV`, left padding + attention mask + explicit position ids);
+2. admits waiting requests up to `max_running_requests`: new ones share left-padded prefill
+   forwards (those needing per-prompt-token outputs, or resuming, are prefilled alone), their first
+   tokens are sampled from the prefill logits, and the caches are merged into the running batch
+   (`kv_cache.BatchKV`, left padding + attention mask + explicit position ids);
 3. runs ONE batched decode forward for every running request, samples one token per request
    (`sampling.sample_step`) and retires finished requests at once (their rows leave the cache).
 

@@ -31,6 +31,7 @@ from tests.conftest import REPO, run_slimrl, run_torchrun
 WORKER = REPO / "tests" / "dist" / "param_count_worker.py"
 BIG_CONFIGS = {
     "qwen3_30b_a3b_8gpu": 30.53e9,
+    "moonlight_16b_a3b_8gpu": 15.96e9,
     "grpo_moe_256gpu": 235.09e9,
     "deepseek_v3_256gpu": 671.03e9,
 }

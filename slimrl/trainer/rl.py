@@ -1,7 +1,8 @@
 """One rollout's worth of RL training on a Megatron rank: logprob passes, advantages, policy updates.
 
 Order per rollout batch: reference logprobs (weights swapped in from host memory) when a KL term
-needs them; old logprobs of the current policy (unless the rollout's are used); per-token
+needs them; old logprobs of the current policy (unless the rollout's are used, or the training
+forward provides them, see `fused_old_logprobs`); per-token
 advantages; then `train.steps_per_rollout` optimizer steps on equal slices of the batch. Values
 that only the last pipeline stage can compute (logprobs) live on that stage, which is also where
 every loss is computed.
@@ -19,9 +20,12 @@ from slimrl.trainer.batch import MicroBatch, TrainBatch
 from slimrl.trainer.logprobs import token_logprobs
 
 if TYPE_CHECKING:
+    from slimrl.config.schema import SlimConfig
     from slimrl.trainer.actor import MegatronActor
 
 ROLLOUT_LOGP, OLD_LOGP, REF_LOGP, ADVANTAGES = "rollout_log_probs", "old_logp", "ref_logp", "advantages"
+MISMATCH = "mismatch/"
+"""Prefix of the train/rollout mismatch sums that the loss reports when old logprobs are fused."""
 
 
 def sampling_temperature(actor: MegatronActor) -> float:
@@ -87,14 +91,28 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
             _attach(batch, REF_LOGP, response_logprobs(actor, batch)["logprobs"])
     if algo.use_rollout_logprobs:
         batch.per_token[OLD_LOGP] = [list(v) for v in batch.per_token[ROLLOUT_LOGP]]
-    else:
+    elif not fused_old_logprobs(actor.config):
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
     if algo.advantage_estimator in ("reinforce_plus_plus", "ppo"):
         _token_level_advantages(actor, batch)
-    if _last_stage():
+    if _last_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
+
+
+def fused_old_logprobs(config: SlimConfig) -> bool:
+    """With one optimizer step per rollout, the old policy is the policy being trained: the
+    training forward's own logprobs, detached, serve as the old logprobs and the separate
+    forward-only pass is skipped (ratio exactly 1, same gradient). Estimators that need the old
+    logprobs before training (REINFORCE++ returns with a KL penalty) keep the pass."""
+    algo = config.algorithm
+    return (
+        config.train.steps_per_rollout == 1
+        and not algo.use_rollout_logprobs
+        and algo.advantage_estimator not in ("reinforce_plus_plus", "ppo")
+        and algo.kl_coef == 0
+    )
 
 
 def _padded(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,10 +189,15 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
             chunk_tokens=actor.config.train.logprob_chunk_tokens,
         )
         mask = mb.loss_mask_BS
-        old = mb.per_token_BS[OLD_LOGP]
         report: dict[str, torch.Tensor] = {}
         is_weights = None
         rollout_lp = mb.per_token_BS.get(ROLLOUT_LOGP)
+        old = mb.per_token_BS.get(OLD_LOGP)
+        if old is None:  # fused_old_logprobs: this forward runs the old policy
+            old = logp.detach()
+            if rollout_lp is not None:
+                stats = alg.logprob_mismatch_stats(old, rollout_lp, mask)
+                report.update({f"{MISMATCH}{k}": v for k, v in stats.items()})
         if algo.tis and rollout_lp is not None:
             is_weights = alg.truncated_is_weights(old, rollout_lp, algo.tis_clip_low, algo.tis_clip_high)
             report["tis_weight_sum"] = (is_weights * mask).sum().detach()
@@ -238,6 +261,13 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     if _last_stage():
         keys = sorted({k for r in reports for k in r})
         summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
+        mismatch = {
+            key.removeprefix(MISMATCH): torch.tensor(summed.pop(key), dtype=torch.float64)
+            for key in keys
+            if key.startswith(MISMATCH)
+        }
+        if mismatch:
+            metrics.update(alg.mismatch_metrics(mismatch))
         tokens = max(summed.pop("tokens", 0.0), 1.0)
         for key, value in summed.items():
             if key.endswith("_sum"):

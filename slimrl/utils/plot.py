@@ -57,6 +57,7 @@ def plot_metric(run_dir: Path, out: Path, key: str = "rollout/raw_reward", windo
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
         os.replace(tmp, out)
     finally:
         plt.close(fig)

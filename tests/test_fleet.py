@@ -28,7 +28,7 @@ from slimrl.errors import SlimError
 from slimrl.rollout.client import FleetClient, RequestTimedOut
 from slimrl.rollout.fleet import Fleet
 from slimrl.rollout.servers import server_command
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -252,6 +252,19 @@ def test_malformed_request_is_one_line_slim_error(fleet: TrackedFleet) -> None:
         assert "\n" not in message and needle in message and "/generate rejected by" in message
         assert not target.down
     assert client.failovers == failovers  # a 4xx is not retried
+
+
+def test_control_call_marks_an_unreachable_engine_down(fleet: TrackedFleet) -> None:
+    """A dead engine must not end the run from a control call (memory release, pause): it is
+    marked down, the live engines still get the call, and the heal step restarts it later."""
+    live = fleet.servers[0].url
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = FleetClient([live, dead])
+    results = run(client, client.query("get_model_info"))
+    assert client.down == {dead}
+    assert isinstance(results[0], dict) and results[1] is None
+    assert client.live_engines() == [live]
+    assert run(client, client.query("get_model_info")) == results[:1]  # only the live one now
 
 
 def test_request_timeout_raises_and_aborts_on_the_engine(fleet: TrackedFleet) -> None:

@@ -57,6 +57,7 @@ def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
     cmd = command(
         tmp_path, "grpo", tiny_model("qwen3_moe"), mod_sum_data,
         f"train.num_steps={steps}", "checkpoint.save_interval=3",
+        "train.offload=true",  # the colocated GPU default: trainer offloads, engines release memory
     )  # fmt: skip
     run_dir = tmp_path / "grpo"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

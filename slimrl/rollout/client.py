@@ -258,6 +258,12 @@ class FleetClient:
                         return json.loads(text) if text.strip() else None
                     except ValueError:
                         return text
+            except aiohttp.ClientConnectionError as exc:
+                # The process is gone (refused/dropped connection): route around it until
+                # Fleet.heal() restarts it; a control call must not end the run.
+                logger.warning("/%s: %s unreachable (%s)", endpoint, url, type(exc).__name__)
+                self.mark_down(url)
+                return None
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if ignore_errors:
                     return None

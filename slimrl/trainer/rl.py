@@ -40,21 +40,27 @@ def _last_stage() -> bool:
     return mpu.is_pipeline_last_stage(ignore_virtual=True)
 
 
+def policy_logprobs(
+    actor: MegatronActor, mb: MicroBatch, output: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs (and entropy) of the labels under the sampling temperature."""
+    return token_logprobs(
+        output,
+        mb.labels_BS,
+        true_vocab=actor.arch.vocab_size,
+        temperature=sampling_temperature(actor),
+        with_entropy=with_entropy,
+        chunk_tokens=actor.config.train.logprob_chunk_tokens,
+    )
+
+
 def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: bool = False) -> dict[str, Any]:
     """Forward-only pass: per-sample response-token logprobs (and entropy) on the last stage."""
-    config = actor.config
     captured: dict[int, list[float]] = {}
     entropies: dict[int, list[float]] = {}
 
     def capture(mb: MicroBatch, output: torch.Tensor):
-        logp, entropy = token_logprobs(
-            output,
-            mb.labels_BS,
-            true_vocab=actor.arch.vocab_size,
-            temperature=sampling_temperature(actor),
-            with_entropy=with_entropy,
-            chunk_tokens=config.train.logprob_chunk_tokens,
-        )
+        logp, entropy = policy_logprobs(actor, mb, output, with_entropy)
         captured.update(mb.per_sequence(logp))
         if entropy is not None:
             entropies.update(mb.per_sequence(entropy))
@@ -180,14 +186,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor):
-        logp, entropy = token_logprobs(
-            output,
-            mb.labels_BS,
-            true_vocab=actor.arch.vocab_size,
-            temperature=sampling_temperature(actor),
-            with_entropy=need_entropy,
-            chunk_tokens=actor.config.train.logprob_chunk_tokens,
-        )
+        logp, entropy = policy_logprobs(actor, mb, output, need_entropy)
         mask = mb.loss_mask_BS
         report: dict[str, torch.Tensor] = {}
         is_weights = None

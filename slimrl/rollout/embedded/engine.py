@@ -664,20 +664,7 @@ class Engine:
             past_key_values=cache,
             logits_to_keep=1,
         )
-        sample = sample_step(
-            logits[:, -1],
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            [self._suppressed(r) for r in reqs],
-        )
-        keep = []
-        for row, req in enumerate(reqs):
-            self._accept(req, sample.tokens[row], sample.logprobs[row], sample.distributions[row])
-            reason = self._finish_reason(req)
-            if reason is None:
-                keep.append(row)
-            else:
-                self._finish(req, reason)
+        keep = self._sample_next(reqs, logits[:, -1])
         if not keep:
             return
         if len(keep) < len(reqs):
@@ -713,23 +700,30 @@ class Engine:
             past_key_values=self._kv.cache,
         )
         self._kv.grew()
+        if routing is not None:
+            for row, req in enumerate(running):
+                if req.spec.return_routed_experts:
+                    req.routing.append(routing[row : row + 1])
+        self._retire(self._sample_next(running, logits[:, -1]))
+
+    def _sample_next(self, reqs: list[_Req], logits: torch.Tensor) -> list[int]:
+        """Sample one token per row of `logits` [B, V]; finish the requests that are done.
+        Returns the rows that go on."""
         sample = sample_step(
-            logits[:, -1],
-            [r.params for r in running],
-            [r.generator for r in running],
-            [self._suppressed(r) for r in running],
+            logits,
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            [self._suppressed(r) for r in reqs],
         )
         keep = []
-        for row, req in enumerate(running):
-            if routing is not None and req.spec.return_routed_experts:
-                req.routing.append(routing[row : row + 1])
+        for row, req in enumerate(reqs):
             self._accept(req, sample.tokens[row], sample.logprobs[row], sample.distributions[row])
             reason = self._finish_reason(req)
             if reason is None:
                 keep.append(row)
             else:
                 self._finish(req, reason)
-        self._retire(keep)
+        return keep
 
     def _retire(self, keep: list[int]) -> None:
         """Keep only the running rows `keep` (finished/aborted rows leave the batch now)."""

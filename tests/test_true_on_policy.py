@@ -51,7 +51,7 @@ class Serve:
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or busy loading the scorer
                 pass
             time.sleep(0.2)
 

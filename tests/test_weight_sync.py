@@ -30,8 +30,12 @@ def engines(tiny_model, tmp_path_factory):
         server.start()
         servers.append(server)
     try:
-        for server in servers:
-            server.wait_healthy(120)
+        for index, server in enumerate(servers):
+            try:
+                server.wait_healthy(180)
+            except Exception as exc:
+                log = (logs / f"e{index}.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{exc}\n{log}") from exc
         yield model, [s.url for s in servers]
     finally:
         for server in servers:

@@ -64,6 +64,13 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
     return [engine.tokenizer.encode(texts[i % len(texts)] + str(i)) for i in range(n)]
 
 
+def _assert_reference_logprobs(model, prompt: list[int], result: GenerateResult) -> None:
+    logits = _logits(model, prompt + result.generated_ids)
+    dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    expected = dist.gather(1, torch.tensor(result.generated_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(result.output_token_logprobs), expected, atol=1e-5, rtol=0)
+
+
 def _greedy_req(prompt: list[int], max_new: int, **kw) -> GenerateRequest:
     return GenerateRequest(
         input_ids=prompt, sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw)
@@ -98,10 +105,7 @@ def test_continuous_batching_equals_sequential_greedy(engine, reference):
     assert engine.steps - start_steps < sum(n for n, ign in zip(max_new, ignore, strict=True) if ign)
     for prompt, result, n, ign in zip(prompts, results, max_new, ignore, strict=True):
         assert result.generated_ids == _greedy(reference, prompt, n, ign)
-        logits = _logits(reference, prompt + result.generated_ids)
-        dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-        expected = dist.gather(1, torch.tensor(result.generated_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(result.output_token_logprobs), expected, atol=1e-5, rtol=0)
+        _assert_reference_logprobs(reference, prompt, result)
 
 
 def test_requests_arriving_together_share_one_prefill(moe_path, reference):
@@ -124,10 +128,7 @@ def test_requests_arriving_together_share_one_prefill(moe_path, reference):
         assert eng.steps <= max(max_new)  # one prefill step, then the decodes
     for prompt, result, n in zip(prompts, results, max_new, strict=True):
         assert result.generated_ids == _greedy(reference, prompt, n, True)
-        logits = _logits(reference, prompt + result.generated_ids)
-        dist = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-        expected = dist.gather(1, torch.tensor(result.generated_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(result.output_token_logprobs), expected, atol=1e-5, rtol=0)
+        _assert_reference_logprobs(reference, prompt, result)
 
 
 def test_sampled_logprobs_are_the_sampling_steps_own(moe_path, reference):

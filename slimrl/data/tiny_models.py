@@ -7,17 +7,16 @@ weights, so two runs (or two tests) can compare tensors exactly.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from slimrl.data.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_char_tokenizer
 from slimrl.errors import SlimError
 from slimrl.utils.fs import atomic_directory, atomic_write_text
+from slimrl.utils.hf import quiet_progress_bars
 
 TINY_ARCHS: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3")
 
@@ -215,20 +214,6 @@ def _generation_config() -> Any:
     return GenerationConfig(eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None)
 
 
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """save_pretrained draws a progress bar per save; restore the global setting afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def _rename_saved_keys(arch: str, config_path: Path) -> None:
     renames = _SAVED_KEY_RENAMES.get(arch)
     if not renames:
@@ -255,7 +240,7 @@ def make_tiny(
         raise SlimError(f"make-tiny --out {out_dir}: exists; pass --force to replace")
     model = build_model(arch, seed=seed, overrides=overrides)  # validate before touching the disk
     try:
-        with atomic_directory(out_dir, overwrite=force) as tmp, _quiet_progress_bars():
+        with atomic_directory(out_dir, overwrite=force) as tmp, quiet_progress_bars():
             model.save_pretrained(tmp, safe_serialization=True)
             _rename_saved_keys(arch, tmp / "config.json")
             build_char_tokenizer(tmp)

@@ -40,7 +40,6 @@ until resumed (the weights stay in RAM: there is no GPU memory to hand back).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import threading
@@ -59,6 +58,7 @@ import torch
 from slimrl.rollout.embedded.kv_cache import BatchKV
 from slimrl.rollout.embedded.sampling import SamplingParams, sample_step
 from slimrl.rollout.embedded.weights import WeightTargets, load_checkpoint
+from slimrl.utils.hf import quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -186,19 +186,6 @@ def _expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 class Engine:
     """Load `model_path` and serve generation requests from a scheduler thread.
 
@@ -224,7 +211,7 @@ class Engine:
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         self.model_path = str(model_path)
-        with _quiet_transformers():
+        with quiet_progress_bars():
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=torch.float32, attn_implementation="sdpa"

@@ -265,7 +265,7 @@ def _write_torch_dist(
     from slimrl.megatron_bridge.loading import (
         ShardContext,
         check_everything_consumed,
-        hf_shard,
+        hf_shard_blocks,
         load_hf_into_megatron,
         rules_for,
     )
@@ -288,13 +288,13 @@ def _write_torch_dist(
 
         def produce(local):
             try:
-                piece, names = hf_shard(local, rules, reader, arch, ctx)
+                blocks, names = hf_shard_blocks(local, rules, reader, arch, ctx)
             except BridgeError as exc:
                 failures.append(exc)
                 raise
             consumed.update(names)
             bar.update(sum(reader.nbytes(n) for n in names))
-            return piece
+            return blocks
 
         try:
             save_model_streaming(chunks, tmp, cfg, layout, produce, ctx.expert_offset)

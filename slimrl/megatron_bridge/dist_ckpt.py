@@ -9,9 +9,11 @@ conversion can refuse a mismatched `--hf-config-dir` instead of producing garbag
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from slimrl.megatron_bridge.naming import LocalTensor
 from slimrl.trainer.parallel import ParallelLayout
 
 MODEL_META = "slimrl_model.json"
+FILE_BYTES = 64 * 1024**2
 # Megatron's torch_dist strategy still builds torch ShardedTensors; the warning is not ours to fix.
 warnings.filterwarnings("ignore", message="Please use DTensor instead")
 
@@ -137,17 +140,85 @@ def _storage_key(tensor: Any) -> int:
     return tensor.untyped_storage()._cdata
 
 
+@contextmanager
+def fast_torch_save() -> Iterator[None]:
+    """torch.save without the zip CRC32 of every record: it halves the write speed, and torch.load
+    never checks it (the files stay valid zip archives for torch; `unzip -t` would complain)."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+def _view_of_blocks(view: Any, owner: Any, blocks: list[Any]) -> Any:
+    """The real tensor behind `view` (a meta view of `owner`), given owner's data as row blocks.
+
+    A view that is exactly one block is that block itself: the writer then saves it without the
+    defensive copy it makes of views into a larger storage."""
+    offset = view.storage_offset() - owner.storage_offset()
+    if len(blocks) > 1 and view.is_contiguous():
+        start = 0
+        for block in blocks:
+            if start == offset and block.numel() == view.numel():
+                return block.view(view.shape)
+            start += block.numel()
+    import torch
+
+    real = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return real.as_strided(view.size(), view.stride(), real.storage_offset() + offset)
+
+
+def _bounded_file_writer() -> Any:
+    import queue
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+    class BoundedFileWriter(dcp.FileSystemWriter):
+        """torch's writer, with the items of a rank split (in order) into files of ~`FILE_BYTES`.
+
+        torch keeps every tensor of a file alive until the file is closed, so one file per rank
+        would hold the whole model; one file per tensor costs a file creation per tensor."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            files: queue.Queue = queue.Queue()
+            bucket: list[Any] = []
+            size = 0
+            def nbytes(item: Any) -> int:  # of this rank's chunk; byte items are small
+                if item.tensor_data is None:
+                    return 0
+                element = torch._utils._element_size(item.tensor_data.properties.dtype)
+                return math.prod(item.tensor_data.chunk.sizes) * element
+
+            for item in [*plan.items, None]:
+                if bucket and (item is None or size + nbytes(item) > FILE_BYTES):
+                    name = f"{plan.storage_data.prefix}{files.qsize()}{DEFAULT_SUFFIX}"
+                    files.put((self.fs.concat_path(self.path, name), name, bucket))
+                    bucket, size = [], 0
+                if item is not None:
+                    bucket.append(item)
+                    size += nbytes(item)
+            return self._write_data(planner, files)
+
+    return BoundedFileWriter
+
+
 def save_model_streaming(
     meta_chunks: list[Any],
     out_dir: Path,
     hf_config: dict[str, Any],
     layout: ParallelLayout,
-    produce: Callable[[LocalTensor], Any],
+    produce: Callable[[LocalTensor], list[Any]],
     expert_offset: int,
 ) -> None:
     """Save a checkpoint of a model that only exists on the meta device: each tensor is produced
-    (`produce(local) -> this rank's shard`) when the writer reaches it and dropped once written,
-    so memory holds about one tensor instead of the model."""
+    (`produce(local) -> this rank's shard as row blocks`) when the writer reaches it and dropped
+    once written, so memory holds about one tensor instead of the model."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from megatron.core import dist_checkpointing
@@ -163,38 +234,40 @@ def save_model_streaming(
     owners = {
         _storage_key(lt.tensor): lt for chunk in meta_chunks for lt in local_tensors(chunk, expert_offset)
     }
-    recent: dict[int, Any] = {}  # the last tensors produced (a GLU weight is written as two views)
+    # The last tensors produced: a GLU weight is saved as two views (one writer thread: torch's
+    # worker threads print a failed tensor's error and carry on, which would hide bad input).
+    recent: dict[int, list[Any]] = {}
 
     class LazyPlanner(MCoreSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
             obj = self.lookup_object(write_item.index)
             if getattr(obj, "is_meta", False):
                 key = _storage_key(obj)
-                if key not in recent:
-                    while len(recent) >= 2:
+                blocks = recent.get(key)
+                if blocks is None:
+                    blocks = recent[key] = produce(owners[key])
+                    while len(recent) > 2:
                         recent.pop(next(iter(recent)))
-                    recent[key] = produce(owners[key])
-                owner = owners[key]
-                offset = obj.storage_offset() - owner.tensor.storage_offset()
-                real = recent[key]  # may itself be a view: as_strided offsets are absolute
-                obj = real.as_strided(obj.size(), obj.stride(), real.storage_offset() + offset)
+                obj = _view_of_blocks(obj, owners[key].tensor, blocks)
             return self.transform_object(write_item, obj)
+
+    BoundedFileWriter = _bounded_file_writer()
 
     class StreamingSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, self.keep_only_main_replica
             )
-            # One file per tensor: torch's writer keeps every tensor of a file alive until it closes.
-            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False, sync_files=False)
+            writer = BoundedFileWriter(str(checkpoint_dir), sync_files=False)
             planner = LazyPlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
-    dist_checkpointing.save(
-        sharded_model_state(meta_chunks), str(out_dir), sharded_strategy=StreamingSave("torch_dist", 1)
-    )
+    with fast_torch_save():
+        dist_checkpointing.save(
+            sharded_model_state(meta_chunks), str(out_dir), sharded_strategy=StreamingSave("torch_dist", 1)
+        )
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")

@@ -92,33 +92,48 @@ def load_hf_into_megatron(
     return consumed
 
 
-def hf_shard(
+def hf_shard_blocks(
     local: LocalTensor, rules: RuleSet, reader: HFSource, arch: ModelArch, ctx: ShardContext
-) -> tuple[torch.Tensor, list[str]]:
-    """This rank's shard of one Megatron tensor, built from the HF tensors it is made of."""
+) -> tuple[list[torch.Tensor], list[str]]:
+    """This rank's shard of one Megatron tensor as row blocks that stack (dim 0) into it.
+
+    A fused gate/up shard stays two blocks, [gate shard] and [up shard]: Megatron's checkpoint
+    stores the two halves as separate tensors anyway, so fusing them here would be a wasted copy."""
     match = rules.match(local.name)
     if match is None:
         raise BridgeError(f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})")
     rule, hf_names = match
     rank, size = ctx.group(local)
     parts = [reader.get(name).to(local.tensor.dtype) for name in hf_names]
-    padded_rows = local.tensor.shape[0] * (size if local.partition_dim == 0 else 1)
-    full = hf_to_megatron_full(rule.kind, parts, arch, padded_rows)
-    piece = shard(rule.kind, full, local.partition_dim, rank, size)
-    if piece.shape != local.tensor.shape:
+    if rule.kind == "gate_up" and parts[0].shape == parts[1].shape:
+        blocks = [_split(p, local.partition_dim, rank, size) for p in parts]
+    else:
+        padded_rows = local.tensor.shape[0] * (size if local.partition_dim == 0 else 1)
+        full = hf_to_megatron_full(rule.kind, parts, arch, padded_rows)
+        blocks = [shard(rule.kind, full, local.partition_dim, rank, size)]
+    rows = sum(b.shape[0] for b in blocks)
+    if any(b.shape[1:] != local.tensor.shape[1:] for b in blocks) or rows != local.tensor.shape[0]:
         shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in zip(hf_names, parts, strict=True))
+        got = (rows, *blocks[0].shape[1:])
         raise BridgeError(
             f"shape mismatch for `{local.name}`: Megatron shard {tuple(local.tensor.shape)} but the HF "
-            f"tensors give {tuple(piece.shape)} ({shapes}); does config.json match the weights?"
+            f"tensors give {got} ({shapes}); does config.json match the weights?"
         )
-    return piece.contiguous(), hf_names
+    return [b.contiguous() for b in blocks], hf_names
+
+
+def _split(part: torch.Tensor, partition_dim: int | None, rank: int, size: int) -> torch.Tensor:
+    return part if partition_dim is None or size == 1 else part.chunk(size, dim=partition_dim)[rank]
 
 
 def _load_one(
     local: LocalTensor, rules: RuleSet, reader: HFSource, arch: ModelArch, ctx: ShardContext
 ) -> list[str]:
-    piece, hf_names = hf_shard(local, rules, reader, arch, ctx)
-    local.tensor.data.copy_(piece)
+    blocks, hf_names = hf_shard_blocks(local, rules, reader, arch, ctx)
+    row = 0
+    for block in blocks:
+        local.tensor.data[row : row + block.shape[0]].copy_(block)
+        row += block.shape[0]
     return hf_names
 
 

@@ -329,7 +329,7 @@ def megatron_to_hf(
     import torch.distributed as dist
 
     from slimrl.megatron_bridge.dist_ckpt import (
-        load_model,
+        LayerwiseCheckpointReader,
         publish,
         read_model_meta,
         shared_tmp_dir,
@@ -346,14 +346,15 @@ def megatron_to_hf(
     dtype = _CHECKPOINT_DTYPES.get(target_cfg.get("dtype") or target_cfg.get("torch_dtype"), torch.float32)
     layout = _init(arch, layout_args)
     start = time.perf_counter()
-    # Each rank holds its shards of the model (one collective load), then streams HF tensors out.
-    chunks = _build(arch, layout, dtype)
-    load_model(chunks, ckpt)
+    # The model exists on the meta device; each rank reads its shards a layer at a time and streams
+    # the HF tensors out, so memory holds about one layer.
+    chunks = _build(arch, layout, dtype, meta=True)
+    source = LayerwiseCheckpointReader(chunks, ckpt)
     tmp = shared_tmp_dir(out)
     try:
         writer = ShardWriter(tmp, rank=_rank(), max_shard_bytes=max_shard_bytes)
         with _progress(None, "torch_dist -> hf") as bar:
-            for name, tensor in iter_hf_tensors(chunks, arch, layout):
+            for name, tensor in iter_hf_tensors(chunks, arch, layout, source):
                 writer.add(name, tensor)
                 bar.update(tensor.numel() * tensor.element_size())
         writer.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from slimrl.trainer.parallel import ParallelLayout
 
 MODEL_META = "slimrl_model.json"
 FILE_BYTES = 64 * 1024**2
+LOAD_BYTES = 256 * 1024**2
 # Megatron's torch_dist strategy still builds torch ShardedTensors; the warning is not ours to fix.
 warnings.filterwarnings("ignore", message="Please use DTensor instead")
 
@@ -189,6 +191,7 @@ def _bounded_file_writer() -> Any:
             files: queue.Queue = queue.Queue()
             bucket: list[Any] = []
             size = 0
+
             def nbytes(item: Any) -> int:  # of this rank's chunk; byte items are small
                 if item.tensor_data is None:
                     return 0
@@ -271,3 +274,110 @@ def save_model_streaming(
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
+
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _layer_of(local_name: str) -> int | None:
+    found = _LAYER_PREFIX.match(local_name)
+    return int(found.group(1)) if found else None
+
+
+class LayerwiseCheckpointReader:
+    """The tensors of a torch_dist checkpoint for model chunks that live on the meta device, read
+    a few decoder layers at a time (`reader(chunk_index, local) -> this rank's shard`).
+
+    Memory holds about `LOAD_BYTES` of layers plus the tensors outside the layers (embedding, final
+    norm, output layer), never the model. Each group of layers is one Megatron load of just its
+    shards, so a checkpoint saved under any layout still loads under this one."""
+
+    def __init__(self, meta_chunks: list[Any], ckpt_dir: Path) -> None:
+        self.ckpt_dir = Path(ckpt_dir)
+        modules = [getattr(c, "module", c) for c in meta_chunks]
+        self._sharded = [m.sharded_state_dict() for m in modules]
+        self._group: dict[tuple[int, int | None], tuple[int, int]] = {}  # (chunk, layer) -> group
+        for index, sharded in enumerate(self._sharded):
+            sizes: dict[int | None, int] = {}
+            for name, entry in sharded.items():
+                data = getattr(entry, "data", None)
+                if data is not None and hasattr(data, "element_size"):
+                    layer = _layer_of(name)
+                    sizes[layer] = sizes.get(layer, 0) + data.numel() * data.element_size()
+            group, filled = 0, 0
+            for layer, nbytes in sizes.items():
+                if layer is None:
+                    self._group[(index, None)] = (index, -1)
+                    continue
+                if filled and filled + nbytes > LOAD_BYTES:
+                    group, filled = group + 1, 0
+                self._group[(index, layer)] = (index, group)
+                filled += nbytes
+        self._loaded: dict[tuple[int, int], dict[str, Any]] = {}
+        self._storage: Any = None
+
+    def __call__(self, chunk_index: int, local: LocalTensor) -> Any:
+        group = self._group[(chunk_index, _layer_of(local.local_name))]
+        if group not in self._loaded:
+            # Keep the chunk's non-layer tensors (the output layer comes after the last layer).
+            self._loaded = {g: v for g, v in self._loaded.items() if g == (chunk_index, -1)}
+            self._loaded[group] = self._load(group)
+        return self._loaded[group][local.local_name]
+
+    def _load(self, group: tuple[int, int]) -> dict[str, Any]:
+        """Allocate the group's tensors and have Megatron read into them in place.
+
+        Factories (the GLU weight saved as two halves) are applied here, on views of one buffer,
+        so the halves land where they belong instead of being concatenated after the load."""
+        import dataclasses
+
+        import torch
+        from megatron.core.dist_checkpointing.mapping import (
+            ShardedTensor,
+            ShardedTensorFactory,
+            apply_factories,
+        )
+
+        chunk_index = group[0]
+        buffers: dict[str, Any] = {}
+        wanted: dict[str, Any] = {}
+        for name, entry in self._sharded[chunk_index].items():
+            if not isinstance(entry, ShardedTensor | ShardedTensorFactory):
+                continue
+            if self._group.get((chunk_index, _layer_of(name))) != group:
+                continue
+            buffers[name] = torch.empty_like(entry.data, device="cpu")
+            wanted[name] = dataclasses.replace(entry, data=buffers[name])
+        apply_factories(wanted)
+        try:
+            self._read_into(wanted)
+        except Exception as exc:  # Megatron and torch raise many types; the first line names what failed
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BridgeError(f"{self.ckpt_dir}: cannot load torch_dist checkpoint: {first}") from exc
+        return buffers
+
+    def _read_into(self, sharded: dict[str, Any]) -> None:
+        """One rank reads its shards, in place and without collectives (ranks hold different layers
+        and read different numbers of groups); the checkpoint's metadata is read once."""
+        import torch.distributed.checkpoint as dcp
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            MCoreLoadPlanner,
+            _replace_state_dict_keys_with_sharded_keys,
+            mcore_to_pyt_state_dict,
+        )
+
+        if self._storage is None:
+            from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+                CachedMetadataFileSystemReader,
+            )
+
+            self._storage = CachedMetadataFileSystemReader(str(self.ckpt_dir))
+        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded)
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        tensors = [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+        planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=tensors)
+        dcp.load(
+            mcore_to_pyt_state_dict(state, True), storage_reader=self._storage, planner=planner, no_dist=True
+        )

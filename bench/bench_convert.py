@@ -64,6 +64,7 @@ def run(cmd: list[str]) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-gb", type=float, default=1.1)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workdir", default="/tmp/slimrl-bench")
     args = parser.parse_args()
     work = Path(args.workdir)
@@ -74,41 +75,44 @@ def main() -> None:
 
     proxy_s = proxy(hf, work / "proxy")
     cli = [sys.executable, "-m", "slimrl.cli", "convert"]
-    to_wall, to_core, to_rss = run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out", str(work / "mcore")])
-    back_wall, back_core, back_rss = run(
-        [
-            *cli,
-            "mcore-to-hf",
-            "--ckpt",
-            str(work / "mcore"),
-            "--out",
-            str(work / "back"),
-            "--hf-config-dir",
-            str(hf),
-        ]
-    )
+    measured = {}
+    for workers in args.workers:
+        mcore, back = work / f"mcore-w{workers}", work / f"back-w{workers}"
+        flag = ["--workers", str(workers)]
+        measured[workers] = (
+            run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), *flag]),
+            run(
+                [
+                    *cli,
+                    "mcore-to-hf",
+                    "--ckpt",
+                    str(mcore),
+                    "--out",
+                    str(back),
+                    "--hf-config-dir",
+                    str(hf),
+                    *flag,
+                ]
+            ),
+        )
+        shutil.rmtree(mcore), shutil.rmtree(back)
     proxy_again = proxy(hf, work / "proxy2")
     proxy_best = min(proxy_s, proxy_again)
     goal_rss = nbytes / 2 + 1024**3
-    rows = {
-        "checkpoint_gb": round(gb, 3),
-        "proxy_gb_per_s": round(gb / proxy_best, 3),
-        "hf_to_mcore": {
-            "core_gb_per_s": round(gb / to_core, 3),
-            "core_ratio_to_proxy": round(proxy_best / to_core, 3),
-            "cli_wall_s": round(to_wall, 2),
-            "cli_ratio_to_proxy": round(proxy_best / to_wall, 3),
-            "peak_rss_gb": round(to_rss / 1e9, 3),
-        },
-        "mcore_to_hf": {
-            "core_gb_per_s": round(gb / back_core, 3),
-            "core_ratio_to_proxy": round(proxy_best / back_core, 3),
-            "cli_wall_s": round(back_wall, 2),
-            "cli_ratio_to_proxy": round(proxy_best / back_wall, 3),
-            "peak_rss_gb": round(back_rss / 1e9, 3),
-        },
-        "rss_goal_gb": round(goal_rss / 1e9, 3),
-    }
+
+    def row(wall: float, core: float, rss: int) -> dict[str, float]:
+        return {
+            "core_gb_per_s": round(gb / core, 3),
+            "core_ratio_to_proxy": round(proxy_best / core, 3),
+            "cli_wall_s": round(wall, 2),
+            "cli_ratio_to_proxy": round(proxy_best / wall, 3),
+            "peak_rss_gb": round(rss / 1e9, 3),
+        }
+
+    rows: dict[str, object] = {"checkpoint_gb": round(gb, 3), "proxy_gb_per_s": round(gb / proxy_best, 3)}
+    for workers, (to_mcore, to_hf) in measured.items():
+        rows[f"workers_{workers}"] = {"hf_to_mcore": row(*to_mcore), "mcore_to_hf": row(*to_hf)}
+    rows["rss_goal_gb"] = round(goal_rss / 1e9, 3)
     print(json.dumps(rows, indent=2))
     shutil.rmtree(work, ignore_errors=True)
 

@@ -99,6 +99,37 @@ def test_checkpoint_reshards_into_another_layout(tmp_path, tiny_model):
     assert all(torch.equal(converted[n], t) for n, t in original.items())
 
 
+def test_workers_split_the_layers_and_stay_exact(tmp_path, tiny_model):
+    """`--workers 2` runs two processes that each write (and read) their own layers."""
+    hf, mcore, back = tiny_model("qwen3_moe"), tmp_path / "m", tmp_path / "back"
+    proc = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), "--workers", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    writers = {p.name.split("_")[2] for p in mcore.glob("__*_*.distcp")}
+    assert writers == {"0", "1"}  # both processes wrote data files
+    # Read back under EP2 as well: its two dense replicas split the non-expert tensors too.
+    args = [
+        "--ckpt",
+        str(mcore),
+        "--out",
+        str(back),
+        "--hf-config-dir",
+        str(hf),
+        "--ep",
+        "2",
+        "--workers",
+        "2",
+    ]
+    proc = convert("mcore-to-hf", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    original, converted = hf_tensors(hf), hf_tensors(back)
+    assert set(converted) == set(original)
+    assert all(torch.equal(converted[n], t) for n, t in original.items())
+    assert len(list(back.glob("*.safetensors"))) >= 2  # every rank wrote its own shard file
+
+    proc = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "x"), "--workers", "3")
+    _one_line_error(proc, "--workers 3: pp*workers = 3 pipeline stages for only 2 layers")
+
+
 def _one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

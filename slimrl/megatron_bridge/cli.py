@@ -24,6 +24,24 @@ def _layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
+    parser.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        help="processes that split the layers between them (extra pipeline stages; up to one per core)",
+    )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _layout(args: argparse.Namespace):
+    from slimrl.megatron_bridge.layout_args import LayoutArgs
+
+    return LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, workers=args.workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_rank(args: argparse.Namespace) -> None:
-    from slimrl.megatron_bridge.convert import LayoutArgs, hf_to_megatron, megatron_to_hf
+    from slimrl.megatron_bridge.convert import hf_to_megatron, megatron_to_hf
 
-    layout = LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    layout = _layout(args)
     if args.direction == "hf-to-mcore":
         hf_to_megatron(Path(args.hf_dir), Path(args.out), layout, args.verify, args.tolerance, args.force)
     else:
@@ -60,10 +78,9 @@ def _run_rank(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from slimrl.megatron_bridge.convert import LayoutArgs
     from slimrl.orchestration.placement import free_port
 
-    world = LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp).world_size
+    world = _layout(args).world_size
     with tempfile.TemporaryDirectory() as tmp:
         error_file = Path(tmp) / "error"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
@@ -92,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
     if not inside:
-        from slimrl.megatron_bridge.convert import LayoutArgs
-
-        if LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp).world_size > 1:
+        if _layout(args).world_size > 1:
             return _launch(args, argv)
         from slimrl.orchestration.placement import free_port
 

@@ -8,10 +8,7 @@ mismatches; `--verify` also compares HF and Megatron logits on random tokens.
 
 from __future__ import annotations
 
-import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -20,67 +17,21 @@ from typing import Any
 
 import torch
 
-from slimrl.config.schema import ParallelConfig
 from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
+from slimrl.megatron_bridge.layout_args import LayoutArgs
 from slimrl.megatron_bridge.model_arch import ModelArch, arch_from_hf_config, read_hf_config
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True, kw_only=True)
-class LayoutArgs:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
-
-    @property
-    def world_size(self) -> int:
-        """Smallest world that holds the layout: expert ranks (ep*etp) must fit in tp*dp."""
-        etp = self.tp if self.etp is None else self.etp
-        dp = math.lcm(self.tp, self.ep * etp) // self.tp
-        return self.tp * self.pp * dp
-
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(
-            tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, use_distributed_optimizer=False
-        )
-
-
-# ------------------------------------------------------------------------------ launching
-def run_distributed(script: Path, argv: list[str], world_size: int) -> int | None:
-    """Relaunch under torchrun unless already inside a distributed job; None means: go on here."""
-    if "WORLD_SIZE" in os.environ or ("SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ):
-        joined = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-        if joined != world_size:
-            raise BridgeError(f"launched with {joined} processes but the layout needs {world_size}")
-        return None
-    if world_size == 1:
-        from slimrl.orchestration.placement import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        return None
-    from slimrl.orchestration.placement import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={world_size}",
-        f"--master-port={free_port()}",
-        str(script),
-        *argv,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(cmd, env=env).returncode
-
-
 def _init(arch: ModelArch, layout_args: LayoutArgs):
     from slimrl.trainer.distributed import RankInfo, init_distributed
     from slimrl.trainer.parallel import ParallelLayout
 
-    layout = ParallelLayout.resolve(layout_args.parallel_config(), layout_args.world_size, arch)
+    layout = ParallelLayout.resolve(
+        layout_args.parallel_config(arch.num_layers), layout_args.world_size, arch
+    )
     init_distributed(RankInfo.from_env(), layout, seed=0)
     return layout
 
@@ -334,7 +285,7 @@ def megatron_to_hf(
         read_model_meta,
         shared_tmp_dir,
     )
-    from slimrl.megatron_bridge.export import iter_hf_tensors
+    from slimrl.megatron_bridge.export import Ownership, iter_hf_tensors
     from slimrl.megatron_bridge.hf_io import ShardWriter, finalize_index
 
     ckpt, out, hf_config_dir = Path(ckpt), Path(out), Path(hf_config_dir)
@@ -349,12 +300,17 @@ def megatron_to_hf(
     # The model exists on the meta device; each rank reads its shards a layer at a time and streams
     # the HF tensors out, so memory holds about one layer.
     chunks = _build(arch, layout, dtype, meta=True)
-    source = LayerwiseCheckpointReader(chunks, ckpt)
+    ownership = Ownership(chunks, spread=True)  # data-parallel workers split the tensors
+
+    def wanted(chunk_index: int, local_name: str) -> bool:
+        return ownership.owns(chunk_index, local_name, ".mlp.experts." in local_name)
+
+    source = LayerwiseCheckpointReader(chunks, ckpt, wanted)
     tmp = shared_tmp_dir(out)
     try:
         writer = ShardWriter(tmp, rank=_rank(), max_shard_bytes=max_shard_bytes)
         with _progress(None, "torch_dist -> hf") as bar:
-            for name, tensor in iter_hf_tensors(chunks, arch, layout, source):
+            for name, tensor in iter_hf_tensors(chunks, arch, layout, source, ownership):
                 writer.add(name, tensor)
                 bar.update(tensor.numel() * tensor.element_size())
         writer.flush()

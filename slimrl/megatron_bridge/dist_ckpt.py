@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.megatron_bridge.hf_io import BridgeError
-from slimrl.megatron_bridge.naming import LocalTensor
+from slimrl.megatron_bridge.naming import LocalTensor, local_layer
 from slimrl.trainer.parallel import ParallelLayout
 
 MODEL_META = "slimrl_model.json"
 FILE_BYTES = 64 * 1024**2
-LOAD_BYTES = 256 * 1024**2
+LOAD_BYTES = 128 * 1024**2
 # Megatron's torch_dist strategy still builds torch ShardedTensors; the warning is not ours to fix.
 warnings.filterwarnings("ignore", message="Please use DTensor instead")
 
@@ -101,6 +100,15 @@ def sync_save_strategy() -> Any:
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
     return SyncTorchDistSave("torch_dist", 1)
+
+
+def spread_over_replicas(strategy: Any) -> Any:
+    """Megatron's own balancing of a save: each tensor held by several data-parallel replicas is
+    written by one of them, chosen so every rank writes about the same bytes (by default replica 0
+    would write them all)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(strategy)
 
 
 def save_model(chunks: list[Any], out_dir: Path, hf_config: dict[str, Any], layout: ParallelLayout) -> None:
@@ -269,19 +277,14 @@ def save_model_streaming(
 
     with fast_torch_save():
         dist_checkpointing.save(
-            sharded_model_state(meta_chunks), str(out_dir), sharded_strategy=StreamingSave("torch_dist", 1)
+            sharded_model_state(meta_chunks),
+            str(out_dir),
+            sharded_strategy=spread_over_replicas(StreamingSave("torch_dist", 1)),
+            validate_access_integrity=False,  # the spreading wrapper validates the same, once
         )
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
-
-
-_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def _layer_of(local_name: str) -> int | None:
-    found = _LAYER_PREFIX.match(local_name)
-    return int(found.group(1)) if found else None
 
 
 class LayerwiseCheckpointReader:
@@ -292,18 +295,29 @@ class LayerwiseCheckpointReader:
     norm, output layer), never the model. Each group of layers is one Megatron load of just its
     shards, so a checkpoint saved under any layout still loads under this one."""
 
-    def __init__(self, meta_chunks: list[Any], ckpt_dir: Path) -> None:
+    def __init__(
+        self, meta_chunks: list[Any], ckpt_dir: Path, wanted: Callable[[int, str], bool] | None = None
+    ) -> None:
+        """`wanted(chunk_index, local_name)`: whether this rank will ask for a tensor (default: all)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
         self.ckpt_dir = Path(ckpt_dir)
         modules = [getattr(c, "module", c) for c in meta_chunks]
-        self._sharded = [m.sharded_state_dict() for m in modules]
+        self._sharded = [
+            {
+                name: entry
+                for name, entry in m.sharded_state_dict().items()
+                if isinstance(entry, ShardedTensor | ShardedTensorFactory)
+                and (wanted is None or wanted(index, name))
+            }
+            for index, m in enumerate(modules)
+        ]
         self._group: dict[tuple[int, int | None], tuple[int, int]] = {}  # (chunk, layer) -> group
         for index, sharded in enumerate(self._sharded):
             sizes: dict[int | None, int] = {}
             for name, entry in sharded.items():
-                data = getattr(entry, "data", None)
-                if data is not None and hasattr(data, "element_size"):
-                    layer = _layer_of(name)
-                    sizes[layer] = sizes.get(layer, 0) + data.numel() * data.element_size()
+                layer = local_layer(name)
+                sizes[layer] = sizes.get(layer, 0) + entry.data.numel() * entry.data.element_size()
             group, filled = 0, 0
             for layer, nbytes in sizes.items():
                 if layer is None:
@@ -317,7 +331,7 @@ class LayerwiseCheckpointReader:
         self._storage: Any = None
 
     def __call__(self, chunk_index: int, local: LocalTensor) -> Any:
-        group = self._group[(chunk_index, _layer_of(local.local_name))]
+        group = self._group[(chunk_index, local_layer(local.local_name))]
         if group not in self._loaded:
             # Keep the chunk's non-layer tensors (the output layer comes after the last layer).
             self._loaded = {g: v for g, v in self._loaded.items() if g == (chunk_index, -1)}
@@ -332,19 +346,13 @@ class LayerwiseCheckpointReader:
         import dataclasses
 
         import torch
-        from megatron.core.dist_checkpointing.mapping import (
-            ShardedTensor,
-            ShardedTensorFactory,
-            apply_factories,
-        )
+        from megatron.core.dist_checkpointing.mapping import apply_factories
 
         chunk_index = group[0]
         buffers: dict[str, Any] = {}
         wanted: dict[str, Any] = {}
         for name, entry in self._sharded[chunk_index].items():
-            if not isinstance(entry, ShardedTensor | ShardedTensorFactory):
-                continue
-            if self._group.get((chunk_index, _layer_of(name))) != group:
+            if self._group.get((chunk_index, local_layer(name))) != group:
                 continue
             buffers[name] = torch.empty_like(entry.data, device="cpu")
             wanted[name] = dataclasses.replace(entry, data=buffers[name])

@@ -17,7 +17,7 @@ import torch
 from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.model_arch import ModelArch
-from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
+from slimrl.megatron_bridge.naming import LocalTensor, local_layer, local_tensors
 from slimrl.megatron_bridge.rules import megatron_full_to_hf, unshard
 from slimrl.trainer.parallel import ParallelLayout
 
@@ -39,27 +39,56 @@ def _gather(local: LocalTensor, tensor: torch.Tensor, ctx: ShardContext) -> list
     return shards
 
 
-def _replica_zero(is_expert: bool) -> bool:
-    """Data-parallel replicas hold identical copies; replica 0 speaks for them."""
+def _replica(is_expert: bool) -> tuple[int, int]:
+    """(index, count) of the data-parallel replicas holding identical copies of such a tensor."""
     from megatron.core import parallel_state as mpu
 
     if is_expert:
-        return mpu.get_expert_data_parallel_rank() == 0
-    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+        return mpu.get_expert_data_parallel_rank(), mpu.get_expert_data_parallel_world_size()
+    dp = mpu.get_data_parallel_rank(with_context_parallel=True)
+    return dp, mpu.get_data_parallel_world_size(with_context_parallel=True)
+
+
+class Ownership:
+    """Which data-parallel replica produces each HF tensor.
+
+    By default replica 0 speaks for all (the weight sync: other replicas are busy training). A
+    conversion spreads the work instead: each replica takes a contiguous block of layers, the
+    first also the embedding and the last the tensors after the layers. A whole TP/ETP group
+    shares its replica index, so a group decides together and its gathers stay matched."""
+
+    def __init__(self, chunks: list[Any], spread: bool) -> None:
+        self.spread = spread
+        self.layers = [len(getattr(getattr(c, "module", c).decoder, "layers", [])) for c in chunks]
+
+    def owns(self, chunk_index: int, local_name: str, is_expert: bool) -> bool:
+        index, count = _replica(is_expert)
+        if not self.spread or count == 1:
+            return index == 0
+        layer = local_layer(local_name)
+        if layer is None:
+            return index == (0 if local_name.startswith("embedding.") else count - 1)
+        return layer * count // max(self.layers[chunk_index], 1) == index
 
 
 TensorSource = Callable[[int, LocalTensor], torch.Tensor]
 
 
 def iter_hf_tensors(
-    chunks: list[Any], arch: ModelArch, layout: ParallelLayout, source: TensorSource | None = None
+    chunks: list[Any],
+    arch: ModelArch,
+    layout: ParallelLayout,
+    source: TensorSource | None = None,
+    ownership: Ownership | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors owned by this rank, in model order.
 
     `source(chunk_index, local)` supplies a tensor's values when the chunks live on the meta device
-    (the converter streams them from a checkpoint); by default the chunks' own tensors are used."""
+    (the converter streams them from a checkpoint); by default the chunks' own tensors are used.
+    `ownership` says which replica produces what (default: replica 0 produces everything)."""
     rules = rules_for(arch)
     ctx = ShardContext(arch, layout)
+    ownership = ownership or Ownership(chunks, spread=False)
     for index, chunk in enumerate(chunks):
         for local in local_tensors(chunk, ctx.expert_offset):
             match = rules.match(local.name)
@@ -68,8 +97,8 @@ def iter_hf_tensors(
                     f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})"
                 )
             rule, hf_names = match
-            if not rule.export or not _replica_zero(local.is_expert):
-                continue  # a whole TP/ETP group shares the replica index: all skip together
+            if not rule.export or not ownership.owns(index, local.local_name, local.is_expert):
+                continue
             tensor = local.tensor if source is None else source(index, local)
             shards = _gather(local, tensor, ctx)
             rank, _ = ctx.group(local)

@@ -8,39 +8,33 @@ way (`model-00001-of-00003.safetensors` + `model.safetensors.index.json`).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from slimrl.errors import SlimError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-_DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1}
+_TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
 
 
 class BridgeError(SlimError):
     """A checkpoint that cannot be converted as it is."""
 
 
-def _check_shard(path: Path) -> list[str]:
-    """Parse the safetensors header and check the file holds every byte it promises."""
+def _check_shard(path: Path) -> tuple[dict[str, dict], int]:
+    """Parse the safetensors header and check the file holds every byte it promises.
+
+    Returns the header's tensor entries and where the tensor data starts."""
     if not path.is_file():
         raise BridgeError(f"{path}: safetensors shard listed in the checkpoint is missing")
     size = path.stat().st_size
@@ -63,11 +57,22 @@ def _check_shard(path: Path) -> list[str]:
         raise BridgeError(
             f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})"
         )
-    return list(header)
+    unknown = sorted({info["dtype"] for info in header.values()} - set(_TORCH_DTYPES))
+    if unknown:
+        valid = ", ".join(sorted(_TORCH_DTYPES))
+        raise BridgeError(f"{path}: unsupported safetensors dtype {unknown[0]} (valid: {valid})")
+    return header, 8 + header_len
 
 
 class HFCheckpointReader:
-    """Lazy access to the tensors of an HF checkpoint directory (single file or sharded)."""
+    """Lazy access to the tensors of an HF checkpoint directory (single file or sharded).
+
+    Tensors are zero-copy views of a memory map (private: a stray in-place write cannot reach the
+    file) and are read-only by contract. Every `RELEASE_BYTES` read, the maps' pages are dropped
+    from the resident set: a streaming conversion would otherwise grow to the checkpoint's size in
+    RSS (and count it against a cgroup limit). A page still in use simply faults in again."""
+
+    RELEASE_BYTES = 256 * 1024**2
 
     def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(hf_dir)
@@ -81,50 +86,59 @@ class HFCheckpointReader:
                 raise BridgeError(f"{self.dir}: no *.safetensors files (and no {INDEX_NAME})")
             weight_map = {}
         self.location: dict[str, str] = {}
+        self._entries: dict[str, tuple[str, int, dict]] = {}  # name -> (file, data start, entry)
         for file in files:
-            for name in _check_shard(self.dir / file):
+            header, data_start = _check_shard(self.dir / file)
+            for name, entry in header.items():
                 self.location[name] = file
+                self._entries[name] = (file, data_start, entry)
         missing = sorted(n for n, f in weight_map.items() if self.location.get(n) != f)
         if missing:
             raise BridgeError(
                 f"{index}: {len(missing)} tensors listed but not in their shard, e.g. {missing[0]}"
             )
-        self._handles: dict[str, object] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._since_release = 0
 
     @property
     def names(self) -> list[str]:
         return list(self.location)
 
-    def _handle(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.dir / file), framework="pt")
-        return self._handles[file]
-
     def get(self, name: str) -> torch.Tensor:
-        file = self.location.get(name)
-        if file is None:
+        if name not in self._entries:
             raise BridgeError(f"{self.dir}: tensor `{name}` is not in the checkpoint")
-        return self._handle(file).get_tensor(name)
+        file, data_start, entry = self._entries[name]
+        begin, end = entry["data_offsets"]
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        if end == begin:
+            return torch.empty(entry["shape"], dtype=dtype)
+        if self._since_release > self.RELEASE_BYTES:
+            for mapping in self._maps.values():
+                mapping.madvise(mmap.MADV_DONTNEED)
+            self._since_release = 0
+        self._since_release += end - begin
+        if file not in self._maps:
+            with (self.dir / file).open("rb") as handle:
+                self._maps[file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = (end - begin) // dtype.itemsize
+        offset = data_start + begin
+        flat = torch.frombuffer(self._maps[file], dtype=dtype, count=count, offset=offset)
+        if offset % dtype.itemsize:  # the format does not promise alignment; kernels may assume it
+            flat = flat.clone()
+        return flat.reshape(entry["shape"])
 
     def nbytes(self, name: str) -> int:
-        view = self._handle(self.location[name]).get_slice(name)
-        count = 1
-        for dim in view.get_shape():
-            count *= dim
-        return count * dtype_bytes(view.get_dtype())
+        begin, end = self._entries[name][2]["data_offsets"]
+        return end - begin
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.location[name]).get_slice(name).get_shape())
+        return tuple(self._entries[name][2]["shape"])
 
     def total_bytes(self) -> int:
         return sum((self.dir / f).stat().st_size for f in set(self.location.values()))
 
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 _HEADER_RESERVE = 1 << 20  # bytes kept for the JSON header: room for ~5,000 tensor entries
 
 
@@ -212,7 +226,3 @@ def finalize_index(out_dir: Path, files: list[tuple[str, list[str]]], total_byte
 def iter_tensors(reader: HFCheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
     for name in reader.names:
         yield name, reader.get(name)
-
-
-def dtype_bytes(dtype: str) -> int:
-    return _DTYPE_BYTES[dtype]

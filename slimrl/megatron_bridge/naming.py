@@ -46,6 +46,12 @@ class LocalTensor:
     is_expert: bool
 
 
+def local_layer(local_name: str) -> int | None:
+    """The chunk-local decoder layer a tensor belongs to (None outside the layers)."""
+    found = _LAYER.match(local_name)
+    return int(found.group(1)) if found else None
+
+
 def canonical_name(local_name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:
     name = local_name
     for pattern, replacement in TE_ALIASES:

@@ -97,7 +97,8 @@ def sync_save_strategy() -> Any:
             planner = MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
-            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+            with fast_torch_save():
+                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
     return SyncTorchDistSave("torch_dist", 1)
 

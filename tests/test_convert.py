@@ -207,3 +207,16 @@ def test_megatron_to_hf_refuses_a_different_hf_config(tmp_path, tiny_model):
     )
     _one_line_error(proc, "`rope_theta`")
     assert not (tmp_path / "hf").exists()
+
+
+def test_damaged_torch_dist_checkpoint_is_one_line(tmp_path, tiny_model):
+    hf, mcore = tiny_model("qwen3_moe"), tmp_path / "m"
+    assert convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore)).returncode == 0
+    args = ["--ckpt", str(mcore), "--out", str(tmp_path / "hf"), "--hf-config-dir", str(hf)]
+    data = next(mcore.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    _one_line_error(convert("mcore-to-hf", *args), "truncated .distcp")
+    (mcore / ".metadata").unlink()
+    _one_line_error(convert("mcore-to-hf", *args), "no .metadata")
+    assert not (tmp_path / "hf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary leftovers

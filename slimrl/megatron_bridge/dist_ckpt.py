@@ -129,7 +129,30 @@ def read_model_meta(ckpt_dir: Path) -> dict[str, Any]:
         raise BridgeError(f"{ckpt_dir}: not a Megatron torch_dist checkpoint (no metadata.json)")
     if not path.is_file():
         raise BridgeError(f"{ckpt_dir}: no {MODEL_META}; was it written by slimrl?")
+    if not (Path(ckpt_dir) / ".metadata").is_file():
+        raise BridgeError(f"{ckpt_dir}: incomplete torch_dist checkpoint (no .metadata, the tensor index)")
     return json.loads(path.read_text())
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # Megatron raises many types; torch wraps a rank's error in a BaseException subclass.
+    return (Exception, CheckpointException)
+
+
+LOAD_ERRORS = _load_errors()
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of what actually failed, unwrapped from torch's CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    if isinstance(exc, EOFError):
+        return "a data file ends early (truncated .distcp file?)"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_model(chunks: list[Any], ckpt_dir: Path) -> None:
@@ -139,9 +162,8 @@ def load_model(chunks: list[Any], ckpt_dir: Path) -> None:
     modules = [getattr(c, "module", c) for c in chunks]
     try:
         loaded = dist_checkpointing.load(sharded_model_state(chunks), str(ckpt_dir))
-    except Exception as exc:  # Megatron raises many types; the first line names what failed
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BridgeError(f"{ckpt_dir}: cannot load torch_dist checkpoint: {first}") from exc
+    except LOAD_ERRORS as exc:
+        raise BridgeError(f"{ckpt_dir}: cannot load torch_dist checkpoint: {_cause(exc)}") from exc
     for i, module in enumerate(modules):
         module.load_state_dict(loaded[_state_key(i, len(modules))], strict=True)
 
@@ -360,9 +382,8 @@ class LayerwiseCheckpointReader:
         apply_factories(wanted)
         try:
             self._read_into(wanted)
-        except Exception as exc:  # Megatron and torch raise many types; the first line names what failed
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BridgeError(f"{self.ckpt_dir}: cannot load torch_dist checkpoint: {first}") from exc
+        except LOAD_ERRORS as exc:
+            raise BridgeError(f"{self.ckpt_dir}: cannot load torch_dist checkpoint: {_cause(exc)}") from exc
         return buffers
 
     def _read_into(self, sharded: dict[str, Any]) -> None:

@@ -28,6 +28,12 @@ def convert(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def to_hf(mcore: Path, out: Path, hf: Path, *layout: str) -> subprocess.CompletedProcess:
+    return convert(
+        "mcore-to-hf", "--ckpt", str(mcore), "--out", str(out), "--hf-config-dir", str(hf), *layout
+    )
+
+
 def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -39,7 +45,7 @@ def round_trip(tmp_path: Path, hf: Path, *layout: str) -> tuple[str, Path]:
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     to = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), *layout, "--verify")
     assert to.returncode == 0, to.stderr[-3000:]
-    home = convert("mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--hf-config-dir", str(hf))
+    home = to_hf(mcore, back, hf)
     assert home.returncode == 0, home.stderr[-3000:]
     original, converted = hf_tensors(hf), hf_tensors(back)
     assert set(converted) == set(original)
@@ -80,20 +86,7 @@ def test_checkpoint_reshards_into_another_layout(tmp_path, tiny_model):
         convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "m"), "--tp", "2").returncode == 0
     )
     back = tmp_path / "back"
-    ckpt = str(tmp_path / "m")
-    proc = convert(
-        "mcore-to-hf",
-        "--ckpt",
-        ckpt,
-        "--out",
-        str(back),
-        "--hf-config-dir",
-        str(hf),
-        "--ep",
-        "2",
-        "--pp",
-        "2",
-    )
+    proc = to_hf(tmp_path / "m", back, hf, "--ep", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     original, converted = hf_tensors(hf), hf_tensors(back)
     assert all(torch.equal(converted[n], t) for n, t in original.items())
@@ -107,19 +100,7 @@ def test_workers_split_the_layers_and_stay_exact(tmp_path, tiny_model):
     writers = {p.name.split("_")[2] for p in mcore.glob("__*_*.distcp")}
     assert writers == {"0", "1"}  # both processes wrote data files
     # Read back under EP2 as well: its two dense replicas split the non-expert tensors too.
-    args = [
-        "--ckpt",
-        str(mcore),
-        "--out",
-        str(back),
-        "--hf-config-dir",
-        str(hf),
-        "--ep",
-        "2",
-        "--workers",
-        "2",
-    ]
-    proc = convert("mcore-to-hf", *args)
+    proc = to_hf(mcore, back, hf, "--ep", "2", "--workers", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     original, converted = hf_tensors(hf), hf_tensors(back)
     assert set(converted) == set(original)
@@ -196,15 +177,7 @@ def test_megatron_to_hf_refuses_a_different_hf_config(tmp_path, tiny_model):
     cfg = json.loads((other / "config.json").read_text())
     cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_theta": 1000000.0}
     (other / "config.json").write_text(json.dumps(cfg))
-    proc = convert(
-        "mcore-to-hf",
-        "--ckpt",
-        str(tmp_path / "m"),
-        "--out",
-        str(tmp_path / "hf"),
-        "--hf-config-dir",
-        str(other),
-    )
+    proc = to_hf(tmp_path / "m", tmp_path / "hf", other)
     _one_line_error(proc, "`rope_theta`")
     assert not (tmp_path / "hf").exists()
 
@@ -212,11 +185,10 @@ def test_megatron_to_hf_refuses_a_different_hf_config(tmp_path, tiny_model):
 def test_damaged_torch_dist_checkpoint_is_one_line(tmp_path, tiny_model):
     hf, mcore = tiny_model("qwen3_moe"), tmp_path / "m"
     assert convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore)).returncode == 0
-    args = ["--ckpt", str(mcore), "--out", str(tmp_path / "hf"), "--hf-config-dir", str(hf)]
     data = next(mcore.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    _one_line_error(convert("mcore-to-hf", *args), "truncated .distcp")
+    _one_line_error(to_hf(mcore, tmp_path / "hf", hf), "truncated .distcp")
     (mcore / ".metadata").unlink()
-    _one_line_error(convert("mcore-to-hf", *args), "no .metadata")
+    _one_line_error(to_hf(mcore, tmp_path / "hf", hf), "no .metadata")
     assert not (tmp_path / "hf").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary leftovers

@@ -300,12 +300,8 @@ def megatron_to_hf(
     # The model exists on the meta device; each rank reads its shards a layer at a time and streams
     # the HF tensors out, so memory holds about one layer.
     chunks = _build(arch, layout, dtype, meta=True)
-    ownership = Ownership(chunks, spread=True)  # data-parallel workers split the tensors
-
-    def wanted(chunk_index: int, local_name: str) -> bool:
-        return ownership.owns(chunk_index, local_name, ".mlp.experts." in local_name)
-
-    source = LayerwiseCheckpointReader(chunks, ckpt, wanted)
+    ownership = Ownership(chunks, spread=True)  # data-parallel replicas split the tensors
+    source = LayerwiseCheckpointReader(chunks, ckpt, ownership.owns)
     tmp = shared_tmp_dir(out)
     try:
         writer = ShardWriter(tmp, rank=_rank(), max_shard_bytes=max_shard_bytes)

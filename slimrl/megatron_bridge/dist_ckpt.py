@@ -74,12 +74,8 @@ def publish(tmp: Path, final: Path, overwrite: bool) -> None:
     dist.barrier()
 
 
-def sync_save_strategy() -> Any:
-    """Megatron's torch_dist format, written synchronously by torch's own DCP writer.
-
-    Megatron's default writer stages every tensor into worker processes through pipes (made for
-    asynchronous GPU saves); on a host it copies the whole model twice and takes ~2x longer.
-    """
+def _torch_dist_strategy(make_writer: Callable[[str], Any], planner_class: Any = None) -> Any:
+    """Megatron's torch_dist format, written synchronously by the given DCP writer and planner."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -88,19 +84,35 @@ def sync_save_strategy() -> Any:
         mcore_to_pyt_state_dict,
     )
 
+    planner_class = planner_class or MCoreSavePlanner
+
     class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, self.keep_only_main_replica
             )
-            writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1, sync_files=False)
-            planner = MCoreSavePlanner(
+            planner = planner_class(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
             with fast_torch_save():
-                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+                dcp.save(
+                    mcore_to_pyt_state_dict(state, False),
+                    storage_writer=make_writer(str(checkpoint_dir)),
+                    planner=planner,
+                )
 
     return SyncTorchDistSave("torch_dist", 1)
+
+
+def sync_save_strategy() -> Any:
+    """Megatron's torch_dist format, written synchronously by torch's own DCP writer.
+
+    Megatron's default writer stages every tensor into worker processes through pipes (made for
+    asynchronous GPU saves); on a host it copies the whole model twice and takes ~2x longer.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    return _torch_dist_strategy(lambda path: dcp.FileSystemWriter(path, thread_count=1, sync_files=False))
 
 
 def spread_over_replicas(strategy: Any) -> Any:
@@ -254,14 +266,8 @@ def save_model_streaming(
     (`produce(local) -> this rank's shard as row blocks`) when the writer reaches it and dropped
     once written, so memory holds about one tensor instead of the model."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
     from slimrl.megatron_bridge.naming import local_tensors
 
@@ -285,26 +291,14 @@ def save_model_streaming(
                 obj = _view_of_blocks(obj, owners[key].tensor, blocks)
             return self.transform_object(write_item, obj)
 
-    BoundedFileWriter = _bounded_file_writer()
-
-    class StreamingSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            writer = BoundedFileWriter(str(checkpoint_dir), sync_files=False)
-            planner = LazyPlanner(
-                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-            )
-            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
-
-    with fast_torch_save():
-        dist_checkpointing.save(
-            sharded_model_state(meta_chunks),
-            str(out_dir),
-            sharded_strategy=spread_over_replicas(StreamingSave("torch_dist", 1)),
-            validate_access_integrity=False,  # the spreading wrapper validates the same, once
-        )
+    bounded_writer = _bounded_file_writer()
+    strategy = _torch_dist_strategy(lambda path: bounded_writer(path, sync_files=False), LazyPlanner)
+    dist_checkpointing.save(
+        sharded_model_state(meta_chunks),
+        str(out_dir),
+        sharded_strategy=spread_over_replicas(strategy),
+        validate_access_integrity=False,  # the spreading wrapper validates the same, once
+    )
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
@@ -315,8 +309,9 @@ class LayerwiseCheckpointReader:
     a few decoder layers at a time (`reader(chunk_index, local) -> this rank's shard`).
 
     Memory holds about `LOAD_BYTES` of layers plus the tensors outside the layers (embedding, final
-    norm, output layer), never the model. Each group of layers is one Megatron load of just its
-    shards, so a checkpoint saved under any layout still loads under this one."""
+    norm, output layer), never the model. Each group of layers is one DCP read of just its shards,
+    planned from Megatron's sharded state dict, so a checkpoint saved under any layout still loads
+    under this one."""
 
     def __init__(
         self, meta_chunks: list[Any], ckpt_dir: Path, wanted: Callable[[int, str], bool] | None = None
@@ -390,6 +385,8 @@ class LayerwiseCheckpointReader:
         """One rank reads its shards, in place and without collectives (ranks hold different layers
         and read different numbers of groups); the checkpoint's metadata is read once."""
         import torch.distributed.checkpoint as dcp
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.dist_checkpointing.strategies.torch import (
             MCoreLoadPlanner,
             _replace_state_dict_keys_with_sharded_keys,
@@ -403,9 +400,6 @@ class LayerwiseCheckpointReader:
 
             self._storage = CachedMetadataFileSystemReader(str(self.ckpt_dir))
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded)
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
         tensors = [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
         planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=tensors)
         dcp.load(

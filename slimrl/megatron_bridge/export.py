@@ -17,7 +17,7 @@ import torch
 from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.model_arch import ModelArch
-from slimrl.megatron_bridge.naming import LocalTensor, local_layer, local_tensors
+from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
 from slimrl.megatron_bridge.rules import megatron_full_to_hf, unshard
 from slimrl.trainer.parallel import ParallelLayout
 
@@ -61,8 +61,8 @@ class Ownership:
         self.spread = spread
         self.layers = [len(getattr(getattr(c, "module", c).decoder, "layers", [])) for c in chunks]
 
-    def owns(self, chunk_index: int, local_name: str, is_expert: bool) -> bool:
-        index, count = _replica(is_expert)
+    def owns(self, chunk_index: int, local_name: str) -> bool:
+        index, count = _replica(is_expert_name(local_name))
         if not self.spread or count == 1:
             return index == 0
         layer = local_layer(local_name)
@@ -97,7 +97,7 @@ def iter_hf_tensors(
                     f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})"
                 )
             rule, hf_names = match
-            if not rule.export or not ownership.owns(index, local.local_name, local.is_expert):
+            if not rule.export or not ownership.owns(index, local.local_name):
                 continue
             tensor = local.tensor if source is None else source(index, local)
             shards = _gather(local, tensor, ctx)

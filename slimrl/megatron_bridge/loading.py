@@ -106,7 +106,7 @@ def hf_shard_blocks(
     rank, size = ctx.group(local)
     parts = [reader.get(name).to(local.tensor.dtype) for name in hf_names]
     if rule.kind == "gate_up" and parts[0].shape == parts[1].shape:
-        blocks = [_split(p, local.partition_dim, rank, size) for p in parts]
+        blocks = [shard("copy", p, local.partition_dim, rank, size) for p in parts]
     else:
         padded_rows = local.tensor.shape[0] * (size if local.partition_dim == 0 else 1)
         full = hf_to_megatron_full(rule.kind, parts, arch, padded_rows)
@@ -120,10 +120,6 @@ def hf_shard_blocks(
             f"tensors give {got} ({shapes}); does config.json match the weights?"
         )
     return [b.contiguous() for b in blocks], hf_names
-
-
-def _split(part: torch.Tensor, partition_dim: int | None, rank: int, size: int) -> torch.Tensor:
-    return part if partition_dim is None or size == 1 else part.chunk(size, dim=partition_dim)[rank]
 
 
 def _load_one(

@@ -46,6 +46,11 @@ class LocalTensor:
     is_expert: bool
 
 
+def is_expert_name(name: str) -> bool:
+    """Whether a (local or canonical) tensor name belongs to a routed expert."""
+    return ".mlp.experts." in name
+
+
 def local_layer(local_name: str) -> int | None:
     """The chunk-local decoder layer a tensor belongs to (None outside the layers)."""
     found = _LAYER.match(local_name)
@@ -98,5 +103,5 @@ def local_tensors(chunk: Any, expert_offset: int) -> Iterator[LocalTensor]:
                 local_name=prefix + name,
                 tensor=tensor,
                 partition_dim=dim,
-                is_expert=".mlp.experts." in canonical,
+                is_expert=is_expert_name(canonical),
             )

@@ -235,24 +235,14 @@ def _write_torch_dist(
     rules, ctx = rules_for(arch), ShardContext(arch, layout)
     consumed: set[str] = set()
     with _progress(total, "hf -> torch_dist") as bar:
-        failures: list[BridgeError] = []
 
         def produce(local):
-            try:
-                blocks, names = hf_shard_blocks(local, rules, reader, arch, ctx)
-            except BridgeError as exc:
-                failures.append(exc)
-                raise
+            blocks, names = hf_shard_blocks(local, rules, reader, arch, ctx)
             consumed.update(names)
             bar.update(sum(reader.nbytes(n) for n in names))
             return blocks
 
-        try:
-            save_model_streaming(chunks, tmp, cfg, layout, produce, ctx.expert_offset)
-        except BaseException:  # torch's CheckpointException derives from BaseException
-            if failures:  # the checkpoint writer wraps our error; report it as it was raised
-                raise failures[0] from None
-            raise
+        save_model_streaming(chunks, tmp, cfg, layout, produce, ctx.expert_offset)
     check_everything_consumed(consumed, set(reader.names), str(hf_dir))
     return None
 

@@ -9,7 +9,6 @@ conversion can refuse a mismatched `--hf-config-dir` instead of producing garbag
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -217,41 +216,35 @@ def _view_of_blocks(view: Any, owner: Any, blocks: list[Any]) -> Any:
     return real.as_strided(view.size(), view.stride(), real.storage_offset() + offset)
 
 
-def _bounded_file_writer() -> Any:
-    import queue
+def _assign_writers(items: list[Any]) -> list[bool]:
+    """Whether this rank writes each item. A shard held by several ranks (data-parallel replicas)
+    is written by one of them, chosen so every rank writes about the same bytes, as Megatron's
+    fully-parallel save does; every rank computes the same answer from the gathered lists."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    def ident(item: Any) -> tuple:
+        return (item.unique_key,) if isinstance(item, ShardedObject) else (item.key, *item.global_offset)
 
-    class BoundedFileWriter(dcp.FileSystemWriter):
-        """torch's writer, with the items of a rank split (in order) into files of ~`FILE_BYTES`.
+    def nbytes(item: Any) -> int:
+        return 0 if isinstance(item, ShardedObject) else item.data.numel() * item.data.element_size()
 
-        torch keeps every tensor of a file alive until the file is closed, so one file per rank
-        would hold the whole model; one file per tensor costs a file creation per tensor."""
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            files: queue.Queue = queue.Queue()
-            bucket: list[Any] = []
-            size = 0
-
-            def nbytes(item: Any) -> int:  # of this rank's chunk; byte items are small
-                if item.tensor_data is None:
-                    return 0
-                element = torch._utils._element_size(item.tensor_data.properties.dtype)
-                return math.prod(item.tensor_data.chunk.sizes) * element
-
-            for item in [*plan.items, None]:
-                if bucket and (item is None or size + nbytes(item) > FILE_BYTES):
-                    name = f"{plan.storage_data.prefix}{files.qsize()}{DEFAULT_SUFFIX}"
-                    files.put((self.fs.concat_path(self.path, name), name, bucket))
-                    bucket, size = [], 0
-                if item is not None:
-                    bucket.append(item)
-                    size += nbytes(item)
-            return self._write_data(planner, files)
-
-    return BoundedFileWriter
+    mine = [(ident(item), nbytes(item)) for item in items]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    holders: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    for rank, listing in enumerate(everyone):
+        for key, size in listing:
+            holders.setdefault(key, []).append(rank)
+            sizes[key] = size
+    load = [0] * len(everyone)
+    writer: dict[tuple, int] = {}
+    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+        writer[key] = min(holders[key], key=lambda r: (load[r], r))
+        load[writer[key]] += sizes[key]
+    rank = dist.get_rank()
+    return [writer[key] == rank for key, _ in mine]
 
 
 def save_model_streaming(
@@ -264,44 +257,67 @@ def save_model_streaming(
 ) -> None:
     """Save a checkpoint of a model that only exists on the meta device: each tensor is produced
     (`produce(local) -> this rank's shard as row blocks`) when the writer reaches it and dropped
-    once written, so memory holds about one tensor instead of the model."""
+    once written, so memory holds about one tensor instead of the model.
+
+    Megatron's sharded state dict defines the keys, global shapes and offsets; the files are
+    written by `torch_dist_files` (the same format, without DCP's per-tensor machinery)."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
     from slimrl.megatron_bridge.naming import local_tensors
+    from slimrl.megatron_bridge.torch_dist_files import ChunkFileWriter, write_index
 
     owners = {
         _storage_key(lt.tensor): lt for chunk in meta_chunks for lt in local_tensors(chunk, expert_offset)
     }
-    # The last tensors produced: a GLU weight is saved as two views (one writer thread: torch's
-    # worker threads print a failed tensor's error and carry on, which would hide bad input).
+    sharded, common = save_preprocess(sharded_model_state(meta_chunks), validate_access_integrity=False)
+    items = list(nested_values(sharded))
+    # The last tensors produced: a GLU weight is saved as two views of one produced tensor.
     recent: dict[int, list[Any]] = {}
 
-    class LazyPlanner(MCoreSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            obj = self.lookup_object(write_item.index)
-            if getattr(obj, "is_meta", False):
-                key = _storage_key(obj)
-                blocks = recent.get(key)
-                if blocks is None:
-                    blocks = recent[key] = produce(owners[key])
-                    while len(recent) > 2:
-                        recent.pop(next(iter(recent)))
-                obj = _view_of_blocks(obj, owners[key].tensor, blocks)
-            return self.transform_object(write_item, obj)
+    def real(view: Any) -> Any:
+        key = _storage_key(view)
+        if key not in recent:
+            recent[key] = produce(owners[key])
+            while len(recent) > 2:
+                recent.pop(next(iter(recent)))
+        return _view_of_blocks(view, owners[key].tensor, recent[key])
 
-    bounded_writer = _bounded_file_writer()
-    strategy = _torch_dist_strategy(lambda path: bounded_writer(path, sync_files=False), LazyPlanner)
-    dist_checkpointing.save(
-        sharded_model_state(meta_chunks),
-        str(out_dir),
-        sharded_strategy=spread_over_replicas(strategy),
-        validate_access_integrity=False,  # the spreading wrapper validates the same, once
-    )
+    writer = ChunkFileWriter(out_dir, dist.get_rank(), FILE_BYTES)
+    error = None
+    try:
+        for item, write in zip(items, _assign_writers(items), strict=True):
+            if not write:
+                continue
+            if isinstance(item, ShardedObject):
+                writer.add_object(item.unique_key, [item.data])  # as Megatron stores objects
+                continue
+            if item.flattened_range is not None:
+                raise BridgeError(f"`{item.key}`: flattened (optimizer-style) shards are not model weights")
+            data = real(item.data) if item.data.is_meta else item.data
+            chunk_shape = (1,) * item.prepend_axis_num + tuple(data.shape)
+            writer.add_tensor(item.key, item.global_shape, item.global_offset, data.reshape(chunk_shape))
+    except BridgeError as exc:
+        error = str(exc)
+    finally:
+        chunks = writer.close()
+    # Every rank learns of any rank's failure (and raises it), instead of waiting for it forever.
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (chunks, error))
+    failures = [failure for _, failure in gathered if failure]
+    if failures:
+        raise BridgeError(failures[0])
     if dist.get_rank() == 0:
+        write_index(out_dir, [chunk for part, _ in gathered for chunk in part])
+        TorchCommonSaveStrategy("torch", 1).save_common(common, out_dir)
+        save_config(CheckpointingConfig("torch_dist", 1), str(out_dir))
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
+    dist.barrier()
 
 
 class LayerwiseCheckpointReader:
@@ -346,7 +362,7 @@ class LayerwiseCheckpointReader:
                 self._group[(index, layer)] = (index, group)
                 filled += nbytes
         self._loaded: dict[tuple[int, int], dict[str, Any]] = {}
-        self._storage: Any = None
+        self._files: Any = None
 
     def __call__(self, chunk_index: int, local: LocalTensor) -> Any:
         group = self._group[(chunk_index, local_layer(local.local_name))]
@@ -375,33 +391,21 @@ class LayerwiseCheckpointReader:
             buffers[name] = torch.empty_like(entry.data, device="cpu")
             wanted[name] = dataclasses.replace(entry, data=buffers[name])
         apply_factories(wanted)
-        try:
-            self._read_into(wanted)
-        except LOAD_ERRORS as exc:
-            raise BridgeError(f"{self.ckpt_dir}: cannot load torch_dist checkpoint: {_cause(exc)}") from exc
+        self._read_into(wanted)
         return buffers
 
     def _read_into(self, sharded: dict[str, Any]) -> None:
-        """One rank reads its shards, in place and without collectives (ranks hold different layers
-        and read different numbers of groups); the checkpoint's metadata is read once."""
-        import torch.distributed.checkpoint as dcp
+        """This rank reads its shards in place, without collectives (ranks hold different layers
+        and read different numbers of groups), then lets go of the files' pages."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            MCoreLoadPlanner,
-            _replace_state_dict_keys_with_sharded_keys,
-            mcore_to_pyt_state_dict,
-        )
 
-        if self._storage is None:
-            from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-                CachedMetadataFileSystemReader,
-            )
+        from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader
 
-            self._storage = CachedMetadataFileSystemReader(str(self.ckpt_dir))
-        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded)
-        tensors = [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
-        planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=tensors)
-        dcp.load(
-            mcore_to_pyt_state_dict(state, True), storage_reader=self._storage, planner=planner, no_dist=True
-        )
+        if self._files is None:
+            self._files = ChunkFileReader(self.ckpt_dir)
+        for entry in nested_values(sharded):
+            if entry.flattened_range is not None:
+                raise BridgeError(f"`{entry.key}`: flattened (optimizer-style) shards are not model weights")
+            target = entry.data.view((1,) * entry.prepend_axis_num + tuple(entry.data.shape))
+            self._files.read_into(entry.key, entry.global_offset, target, entry.allow_shape_mismatch)
+        self._files.release()

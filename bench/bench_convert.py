@@ -1,10 +1,11 @@
 """Conversion throughput vs. the hardware-limit proxy, measured in one run.
 
 Proxy: read every tensor of the HF checkpoint with safetensors and write it back out (same shards).
-Ours: `slimrl convert hf-to-mcore` then `mcore-to-hf` (one process, TP1), as a user runs them.
-Reports the conversion core (what the CLI times, after start-up) and the whole command, each as
-GB/s and as a ratio to the proxy, and the peak RSS of each command against the goal
-(half the checkpoint + 1 GB).
+Ours: `slimrl convert hf-to-mcore` then `mcore-to-hf`, in one process and with `--workers 2`, as a
+user runs them. Dirty pages are flushed before each timed step (outside the timing), so no step is
+throttled by an earlier step's writeback. Reports the conversion core (what the CLI times, after
+start-up) and the whole command, each as GB/s and as a ratio to the proxy, and the peak RSS of
+each command's processes against the goal (half the checkpoint + 1 GB).
 
     python bench/bench_convert.py [--size-gb 1.1] [--workdir /tmp/slimrl-bench]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,9 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_checkpoint import write_checkpoint
 
 
+def settle() -> None:
+    """Flush dirty pages, so every timed step starts from the same state: gigabytes written by an
+    earlier step would otherwise throttle a later one's writes (kernel writeback limits)."""
+    os.sync()
+    time.sleep(0.5)
+
+
 def proxy(src: Path, dst: Path) -> float:
     """Read each tensor and write it back, shard by shard; returns seconds."""
     dst.mkdir(parents=True, exist_ok=True)
+    settle()
     start = time.perf_counter()
     for shard in sorted(src.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as handle:
@@ -42,6 +52,7 @@ def proxy(src: Path, dst: Path) -> float:
 
 def run(cmd: list[str]) -> tuple[float, float, int]:
     """(wall seconds, core seconds reported by the CLI, peak RSS bytes of the command's processes)."""
+    settle()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0

@@ -216,6 +216,21 @@ def _view_of_blocks(view: Any, owner: Any, blocks: list[Any]) -> Any:
     return real.as_strided(view.size(), view.stride(), real.storage_offset() + offset)
 
 
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:  # the pickling round trip alone costs ~0.1 s per call
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def _chunk_shape(entry: Any) -> tuple[int, ...]:
+    """A sharded tensor's local shape as stored: one leading 1 per axis Megatron prepends."""
+    return (1,) * entry.prepend_axis_num + tuple(entry.data.shape)
+
+
 def _assign_writers(items: list[Any]) -> list[bool]:
     """Whether this rank writes each item. A shard held by several ranks (data-parallel replicas)
     is written by one of them, chosen so every rank writes about the same bytes, as Megatron's
@@ -230,8 +245,7 @@ def _assign_writers(items: list[Any]) -> list[bool]:
         return 0 if isinstance(item, ShardedObject) else item.data.numel() * item.data.element_size()
 
     mine = [(ident(item), nbytes(item)) for item in items]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = _all_gather(mine)
     holders: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     for rank, listing in enumerate(everyone):
@@ -299,15 +313,14 @@ def save_model_streaming(
             if item.flattened_range is not None:
                 raise BridgeError(f"`{item.key}`: flattened (optimizer-style) shards are not model weights")
             data = real(item.data) if item.data.is_meta else item.data
-            chunk_shape = (1,) * item.prepend_axis_num + tuple(data.shape)
-            writer.add_tensor(item.key, item.global_shape, item.global_offset, data.reshape(chunk_shape))
+            chunk = data.reshape(_chunk_shape(item))
+            writer.add_tensor(item.key, item.global_shape, item.global_offset, chunk)
     except BridgeError as exc:
         error = str(exc)
     finally:
         chunks = writer.close()
     # Every rank learns of any rank's failure (and raises it), instead of waiting for it forever.
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (chunks, error))
+    gathered = _all_gather((chunks, error))
     failures = [failure for _, failure in gathered if failure]
     if failures:
         raise BridgeError(failures[0])
@@ -380,14 +393,23 @@ class LayerwiseCheckpointReader:
         import dataclasses
 
         import torch
-        from megatron.core.dist_checkpointing.mapping import apply_factories
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+        from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader
+
+        if self._files is None:
+            self._files = ChunkFileReader(self.ckpt_dir)
         chunk_index = group[0]
         buffers: dict[str, Any] = {}
         wanted: dict[str, Any] = {}
         for name, entry in self._sharded[chunk_index].items():
             if self._group.get((chunk_index, local_layer(name))) != group:
                 continue
+            if isinstance(entry, ShardedTensor) and entry.flattened_range is None:
+                saved = self._files.exact(entry.key, entry.global_offset, _chunk_shape(entry))
+                if saved is not None and saved.dtype == entry.data.dtype:  # no copy at all
+                    buffers[name] = saved.view(entry.data.shape)
+                    continue
             buffers[name] = torch.empty_like(entry.data, device="cpu")
             wanted[name] = dataclasses.replace(entry, data=buffers[name])
         apply_factories(wanted)
@@ -399,13 +421,9 @@ class LayerwiseCheckpointReader:
         and read different numbers of groups), then lets go of the files' pages."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-        from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader
-
-        if self._files is None:
-            self._files = ChunkFileReader(self.ckpt_dir)
         for entry in nested_values(sharded):
             if entry.flattened_range is not None:
                 raise BridgeError(f"`{entry.key}`: flattened (optimizer-style) shards are not model weights")
-            target = entry.data.view((1,) * entry.prepend_axis_num + tuple(entry.data.shape))
+            target = entry.data.view(_chunk_shape(entry))
             self._files.read_into(entry.key, entry.global_offset, target, entry.allow_shape_mismatch)
         self._files.release()

@@ -229,6 +229,7 @@ class ChunkFileWriter:
         self.chunks: list[Chunk] = []
         self._handle: BinaryIO | None = None
         self._count = 0
+        self._saved_objects: dict[bytes, bytes] = {}
 
     def _stream(self) -> tuple[str, BinaryIO]:
         if self._handle is not None and self._handle.tell() >= self.file_bytes:
@@ -251,9 +252,16 @@ class ChunkFileWriter:
         )
 
     def add_object(self, key: str, obj: Any) -> None:
+        """`obj` torch.saved; equal objects (every layer's empty `_extra_state`) are saved once
+        and their bytes reused."""
         name, handle = self._stream()
+        identity = pickle.dumps(obj)
+        if identity not in self._saved_objects:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            self._saved_objects[identity] = buffer.getvalue()
         start = handle.tell()
-        torch.save(obj, handle)
+        handle.write(self._saved_objects[identity])
         self.chunks.append(Chunk(key, name, start, handle.tell() - start))
 
     def close(self) -> list[Chunk]:
@@ -345,6 +353,7 @@ class ChunkFileReader:
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
             raise BridgeError(f"{path}: unreadable tensor index ({exc})") from None
         self._maps: dict[str, mmap.mmap] = {}
+        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
 
     def _map(self, file: str) -> mmap.mmap:
         if file not in self._maps:
@@ -374,6 +383,19 @@ class ChunkFileReader:
             raise BridgeError(f"{self.dir}: `{key}` chunk at {tuple(chunk.offsets)} holds shape {shape}")
         return tensor
 
+    def exact(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The saved chunk that is exactly this part of `key`, as a zero-copy view (pages that
+        `release` drops fault back in from the file); None when the layouts differ."""
+        entry = self.meta.state_dict_metadata.get(key)
+        if entry is None or not hasattr(entry, "chunks"):
+            return None
+        if key not in self._by_offsets:
+            self._by_offsets[key] = {tuple(c.offsets): i for i, c in enumerate(entry.chunks)}
+        index = self._by_offsets[key].get(tuple(offsets))
+        if index is None or tuple(entry.chunks[index].sizes) != tuple(shape):
+            return None
+        return self._chunk_tensor(key, entry.chunks[index], index)
+
     def read_into(
         self, key: str, offsets: tuple[int, ...], out: torch.Tensor, allow_shape_mismatch: bool = False
     ) -> None:
@@ -398,6 +420,10 @@ class ChunkFileReader:
                 f"{self.dir}: `{key}` is {saved} in the checkpoint; the model wants {tuple(out.shape)} "
                 f"at {tuple(offsets)}"
             )
+        whole = self.exact(key, offsets, tuple(out.shape))
+        if whole is not None:  # the common case: saved and wanted layouts agree on this tensor
+            out.copy_(whole)
+            return
         filled = 0
         for index, chunk in enumerate(entry.chunks):
             common = _overlap(offsets, tuple(out.shape), tuple(chunk.offsets), tuple(chunk.sizes))

@@ -378,6 +378,8 @@ class LayerwiseCheckpointReader:
         self._files: Any = None
 
     def __call__(self, chunk_index: int, local: LocalTensor) -> Any:
+        """This rank's shard of `local`: a tensor, or its row blocks when the checkpoint holds it
+        in pieces (a GLU weight's two halves) that can be handed out without concatenating."""
         group = self._group[(chunk_index, local_layer(local.local_name))]
         if group not in self._loaded:
             # Keep the chunk's non-layer tensors (the output layer comes after the last layer).
@@ -386,14 +388,15 @@ class LayerwiseCheckpointReader:
         return self._loaded[group][local.local_name]
 
     def _load(self, group: tuple[int, int]) -> dict[str, Any]:
-        """Allocate the group's tensors and have Megatron read into them in place.
+        """The group's tensors: views of the checkpoint's chunks where the saving layout cut them
+        the same way (no copy at all), else buffers that the chunks are copied into.
 
-        Factories (the GLU weight saved as two halves) are applied here, on views of one buffer,
-        so the halves land where they belong instead of being concatenated after the load."""
+        Factories (the GLU weight saved as two halves) are applied to views of one buffer, so the
+        halves land where they belong instead of being concatenated after the load."""
         import dataclasses
 
         import torch
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from megatron.core.dist_checkpointing.mapping import apply_factories
 
         from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader
 
@@ -405,16 +408,40 @@ class LayerwiseCheckpointReader:
         for name, entry in self._sharded[chunk_index].items():
             if self._group.get((chunk_index, local_layer(name))) != group:
                 continue
-            if isinstance(entry, ShardedTensor) and entry.flattened_range is None:
-                saved = self._files.exact(entry.key, entry.global_offset, _chunk_shape(entry))
-                if saved is not None and saved.dtype == entry.data.dtype:  # no copy at all
-                    buffers[name] = saved.view(entry.data.shape)
-                    continue
+            saved = self._saved_as_is(entry)
+            if saved is not None:
+                buffers[name] = saved
+                continue
             buffers[name] = torch.empty_like(entry.data, device="cpu")
             wanted[name] = dataclasses.replace(entry, data=buffers[name])
         apply_factories(wanted)
         self._read_into(wanted)
         return buffers
+
+    def _saved_as_is(self, entry: Any) -> Any:
+        """The entry's values as zero-copy views of saved chunks (a tensor, or row blocks for a
+        factory's parts), or None when the saved chunks are cut differently or typed differently."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        parts = [entry] if isinstance(entry, ShardedTensor) else list(nested_values(entry.build()))
+        if not all(isinstance(p, ShardedTensor) and p.flattened_range is None for p in parts):
+            return None
+        parts.sort(key=lambda p: p.data.storage_offset())
+        blocks, covered = [], 0
+        for part in parts:
+            if part.data.storage_offset() - entry.data.storage_offset() != covered:
+                return None  # not consecutive rows of the local tensor
+            if not part.data.is_contiguous():
+                return None
+            saved = self._files.exact(part.key, part.global_offset, _chunk_shape(part))
+            if saved is None or saved.dtype != entry.data.dtype:
+                return None
+            blocks.append(saved.view(part.data.shape))
+            covered += part.data.numel()
+        if covered != entry.data.numel():
+            return None
+        return blocks[0].view(entry.data.shape) if len(blocks) == 1 else blocks
 
     def _read_into(self, sharded: dict[str, Any]) -> None:
         """This rank reads its shards in place, without collectives (ranks hold different layers

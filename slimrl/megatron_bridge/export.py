@@ -71,7 +71,7 @@ class Ownership:
         return layer * count // max(self.layers[chunk_index], 1) == index
 
 
-TensorSource = Callable[[int, LocalTensor], torch.Tensor]
+TensorSource = Callable[[int, LocalTensor], torch.Tensor | list[torch.Tensor]]
 
 
 def iter_hf_tensors(
@@ -83,8 +83,9 @@ def iter_hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors owned by this rank, in model order.
 
-    `source(chunk_index, local)` supplies a tensor's values when the chunks live on the meta device
-    (the converter streams them from a checkpoint); by default the chunks' own tensors are used.
+    `source(chunk_index, local)` supplies a tensor's values (or its row blocks) when the chunks live
+    on the meta device (the converter streams them from a checkpoint); by default the chunks' own
+    tensors are used.
     `ownership` says which replica produces what (default: replica 0 produces everything)."""
     rules = rules_for(arch)
     ctx = ShardContext(arch, layout)
@@ -100,6 +101,11 @@ def iter_hf_tensors(
             if not rule.export or not ownership.owns(index, local.local_name):
                 continue
             tensor = local.tensor if source is None else source(index, local)
+            if isinstance(tensor, list):  # row blocks: a GLU weight's halves are its HF tensors
+                if rule.kind == "gate_up" and len(tensor) == 2 and ctx.group(local)[1] == 1:
+                    yield from zip(hf_names, tensor, strict=True)
+                    continue
+                tensor = torch.cat(tensor)
             shards = _gather(local, tensor, ctx)
             rank, _ = ctx.group(local)
             if rank != 0:

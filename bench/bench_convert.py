@@ -2,10 +2,13 @@
 
 Proxy: read every tensor of the HF checkpoint with safetensors and write it back out (same shards).
 Ours: `slimrl convert hf-to-mcore` then `mcore-to-hf`, in one process and with `--workers 2`, as a
-user runs them. Dirty pages are flushed before each timed step (outside the timing), so no step is
-throttled by an earlier step's writeback. Reports the conversion core (what the CLI times, after
-start-up) and the whole command, each as GB/s and as a ratio to the proxy, and the peak RSS of
-each command's processes against the goal (half the checkpoint + 1 GB).
+user runs them. Reports the conversion core (what the CLI times, after start-up) and the whole
+command, each as GB/s and as a ratio to the proxy, and the peak RSS of each command's processes
+against the goal (half the checkpoint + 1 GB).
+
+Dirty pages are flushed before each timed step (outside the timing), so no step is throttled by an
+earlier step's writeback. Every step runs `--repeat` times in interleaved rounds; each speed is the
+step's best round (the proxy's too), each RSS its highest.
 
     python bench/bench_convert.py [--size-gb 1.1] [--workdir /tmp/slimrl-bench]
 """
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=1.1)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--workdir", default="/tmp/slimrl-bench")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; each number is the best round")
     args = parser.parse_args()
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -84,31 +88,26 @@ def main() -> None:
     nbytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     gb = nbytes / 1e9
 
-    proxy_s = proxy(hf, work / "proxy")
     cli = [sys.executable, "-m", "slimrl.cli", "convert"]
-    measured = {}
-    for workers in args.workers:
-        mcore, back = work / f"mcore-w{workers}", work / f"back-w{workers}"
-        flag = ["--workers", str(workers)]
-        measured[workers] = (
-            run([*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), *flag]),
-            run(
-                [
-                    *cli,
-                    "mcore-to-hf",
-                    "--ckpt",
-                    str(mcore),
-                    "--out",
-                    str(back),
-                    "--hf-config-dir",
-                    str(hf),
-                    *flag,
-                ]
-            ),
-        )
-        shutil.rmtree(mcore), shutil.rmtree(back)
-    proxy_again = proxy(hf, work / "proxy2")
-    proxy_best = min(proxy_s, proxy_again)
+    proxies: list[float] = []
+    best: dict[tuple[int, str], tuple[float, float, int]] = {}  # fastest core; highest RSS seen
+    for _ in range(args.repeat):  # rounds interleave every step, so drift hits them alike
+        proxies.append(proxy(hf, work / "proxy"))
+        shutil.rmtree(work / "proxy")
+        for workers in args.workers:
+            mcore, back = work / f"mcore-w{workers}", work / f"back-w{workers}"
+            flag = ["--workers", str(workers)]
+            to_hf = ["--ckpt", str(mcore), "--out", str(back), "--hf-config-dir", str(hf)]
+            steps = {
+                "hf_to_mcore": [*cli, "hf-to-mcore", "--hf-dir", str(hf), "--out", str(mcore), *flag],
+                "mcore_to_hf": [*cli, "mcore-to-hf", *to_hf, *flag],
+            }
+            for direction, cmd in steps.items():
+                wall, core, rss = run(cmd)
+                old = best.get((workers, direction), (wall, core, rss))
+                best[(workers, direction)] = (min(wall, old[0]), min(core, old[1]), max(rss, old[2]))
+            shutil.rmtree(mcore), shutil.rmtree(back)
+    proxy_best = min(proxies)
     goal_rss = nbytes / 2 + 1024**3
 
     def row(wall: float, core: float, rss: int) -> dict[str, float]:
@@ -121,8 +120,8 @@ def main() -> None:
         }
 
     rows: dict[str, object] = {"checkpoint_gb": round(gb, 3), "proxy_gb_per_s": round(gb / proxy_best, 3)}
-    for workers, (to_mcore, to_hf) in measured.items():
-        rows[f"workers_{workers}"] = {"hf_to_mcore": row(*to_mcore), "mcore_to_hf": row(*to_hf)}
+    for workers in args.workers:
+        rows[f"workers_{workers}"] = {d: row(*best[(workers, d)]) for d in ("hf_to_mcore", "mcore_to_hf")}
     rows["rss_goal_gb"] = round(goal_rss / 1e9, 3)
     print(json.dumps(rows, indent=2))
     shutil.rmtree(work, ignore_errors=True)

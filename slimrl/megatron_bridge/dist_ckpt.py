@@ -73,8 +73,13 @@ def publish(tmp: Path, final: Path, overwrite: bool) -> None:
     dist.barrier()
 
 
-def _torch_dist_strategy(make_writer: Callable[[str], Any], planner_class: Any = None) -> Any:
-    """Megatron's torch_dist format, written synchronously by the given DCP writer and planner."""
+def sync_save_strategy() -> Any:
+    """Megatron's torch_dist format, written synchronously by torch's own DCP writer (the trainer's
+    checkpoints and `--verify`).
+
+    Megatron's default writer stages every tensor into worker processes through pipes (made for
+    asynchronous GPU saves); on a host it copies the whole model twice and takes ~2x longer.
+    """
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -83,44 +88,24 @@ def _torch_dist_strategy(make_writer: Callable[[str], Any], planner_class: Any =
         mcore_to_pyt_state_dict,
     )
 
-    planner_class = planner_class or MCoreSavePlanner
-
     class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, self.keep_only_main_replica
             )
-            planner = planner_class(
+            planner = MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
             with fast_torch_save():
                 dcp.save(
                     mcore_to_pyt_state_dict(state, False),
-                    storage_writer=make_writer(str(checkpoint_dir)),
+                    storage_writer=dcp.FileSystemWriter(
+                        str(checkpoint_dir), thread_count=1, sync_files=False
+                    ),
                     planner=planner,
                 )
 
     return SyncTorchDistSave("torch_dist", 1)
-
-
-def sync_save_strategy() -> Any:
-    """Megatron's torch_dist format, written synchronously by torch's own DCP writer.
-
-    Megatron's default writer stages every tensor into worker processes through pipes (made for
-    asynchronous GPU saves); on a host it copies the whole model twice and takes ~2x longer.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    return _torch_dist_strategy(lambda path: dcp.FileSystemWriter(path, thread_count=1, sync_files=False))
-
-
-def spread_over_replicas(strategy: Any) -> Any:
-    """Megatron's own balancing of a save: each tensor held by several data-parallel replicas is
-    written by one of them, chosen so every rank writes about the same bytes (by default replica 0
-    would write them all)."""
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    return FullyParallelSaveStrategyWrapper(strategy)
 
 
 def save_model(chunks: list[Any], out_dir: Path, hf_config: dict[str, Any], layout: ParallelLayout) -> None:

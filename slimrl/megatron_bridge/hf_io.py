@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from slimrl.errors import SlimError
+from slimrl.utils.serial_worker import SerialWorker
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -185,7 +186,8 @@ class ShardWriter:
     """Writes (name, tensor) pairs into shard files of at most `max_shard_bytes` each, streaming.
 
     Files are written under a rank-specific provisional name; `finalize_index` (on one rank)
-    renames them to the HF convention once the total is known and writes the index.
+    renames them to the HF convention once the total is known and writes the index. The writes
+    run on a background thread, in order; a tensor must not change until `flush()` returns.
     """
 
     def __init__(self, out_dir: Path, rank: int = 0, max_shard_bytes: int = 2 * 1024**3) -> None:
@@ -193,17 +195,26 @@ class ShardWriter:
         self._current: _StreamingSafetensors | None = None
         self.files: list[tuple[str, list[str]]] = []
         self.bytes_written = 0
+        self._worker = SerialWorker()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
+        self._worker.submit(lambda: self._add_now(name, tensor, nbytes), nbytes)
+
+    def _add_now(self, name: str, tensor: torch.Tensor, nbytes: int) -> None:
         if self._current is not None and not self._current.fits(name, nbytes, self.max_bytes):
-            self.flush()
+            self._close_current()
         if self._current is None:
             file = f"part-r{self.rank:05d}-{len(self.files):05d}.safetensors"
             self._current = _StreamingSafetensors(self.out_dir / file)
         self.bytes_written += self._current.add(name, tensor)
 
     def flush(self) -> None:
+        """Finish the open shard file and wait for every write (raising the first failure)."""
+        self._worker.submit(self._close_current)
+        self._worker.drain()
+
+    def _close_current(self) -> None:
         if self._current is None:
             return
         self._current.close()

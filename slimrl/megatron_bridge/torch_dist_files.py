@@ -29,6 +29,7 @@ import torch
 from torch.storage import _dtype_to_storage_type_map, _storage_type_to_dtype_map
 
 from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.utils.serial_worker import SerialWorker
 
 INDEX_FILE = ".metadata"
 _ALIGN = 64  # where torch.save puts every record's data (`.storage_alignment`)
@@ -222,7 +223,10 @@ class Chunk:
 
 
 class ChunkFileWriter:
-    """One rank's `.distcp` files (`__<rank>_<n>.distcp`), each closed at about `file_bytes`."""
+    """One rank's `.distcp` files (`__<rank>_<n>.distcp`), each closed at about `file_bytes`.
+
+    Records are written by a background thread in the order they were added, so the caller can
+    produce the next tensor meanwhile; a tensor must not change until `close()` returns."""
 
     def __init__(self, out_dir: Path, rank: int, file_bytes: int) -> None:
         self.out_dir, self.rank, self.file_bytes = Path(out_dir), rank, file_bytes
@@ -230,6 +234,7 @@ class ChunkFileWriter:
         self._handle: BinaryIO | None = None
         self._count = 0
         self._saved_objects: dict[bytes, bytes] = {}
+        self._worker = SerialWorker()
 
     def _stream(self) -> tuple[str, BinaryIO]:
         if self._handle is not None and self._handle.tell() >= self.file_bytes:
@@ -243,31 +248,42 @@ class ChunkFileWriter:
 
     def add_tensor(self, key: str, global_shape: tuple, offsets: tuple, tensor: torch.Tensor) -> None:
         """`tensor` is the chunk itself, with one leading axis of size 1 per prepended axis."""
-        name, handle = self._stream()
-        start = handle.tell()
-        length = write_tensor_record(handle, tensor)
-        shape = tuple(tensor.shape)
-        self.chunks.append(
-            Chunk(key, name, start, length, tuple(global_shape), tuple(offsets), shape, tensor.dtype)
-        )
+        where = (tuple(global_shape), tuple(offsets), tuple(tensor.shape))
+
+        def write() -> None:
+            name, handle = self._stream()
+            start = handle.tell()
+            length = write_tensor_record(handle, tensor)
+            self.chunks.append(Chunk(key, name, start, length, *where, tensor.dtype))
+
+        self._worker.submit(write, tensor.numel() * tensor.element_size())
 
     def add_object(self, key: str, obj: Any) -> None:
         """`obj` torch.saved; equal objects (every layer's empty `_extra_state`) are saved once
         and their bytes reused."""
-        name, handle = self._stream()
         identity = pickle.dumps(obj)
         if identity not in self._saved_objects:
             buffer = io.BytesIO()
             torch.save(obj, buffer)
             self._saved_objects[identity] = buffer.getvalue()
-        start = handle.tell()
-        handle.write(self._saved_objects[identity])
-        self.chunks.append(Chunk(key, name, start, handle.tell() - start))
+        saved = self._saved_objects[identity]
+
+        def write() -> None:
+            name, handle = self._stream()
+            start = handle.tell()
+            handle.write(saved)
+            self.chunks.append(Chunk(key, name, start, len(saved)))
+
+        self._worker.submit(write)
 
     def close(self) -> list[Chunk]:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        """Wait for the writes (raising the first failure) and close the last file."""
+        try:
+            self._worker.drain()
+        finally:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
         return self.chunks
 
 

@@ -1,7 +1,8 @@
 """Command lines of the converters (also `slimrl convert hf-to-mcore|mcore-to-hf`).
 
-Started plainly, a conversion relaunches itself under torchrun with one process per rank of the
-layout; its ranks report a user error through a file so the caller prints exactly one line.
+Started plainly, a conversion starts one process per rank of the layout itself (under torchrun or
+srun it joins the job instead); its ranks report a user error through a file so the caller prints
+exactly one line.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -78,27 +80,61 @@ def _run_rank(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """One process per rank on this host, with the environment torchrun would give them (torchrun
+    itself costs ~2.5 s of start-up per conversion). The first rank to fail stops the others."""
     from slimrl.orchestration.placement import free_port
 
     world = _layout(args).world_size
     with tempfile.TemporaryDirectory() as tmp:
         error_file = Path(tmp) / "error"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", "-m", "slimrl.megatron_bridge.cli", *argv]  # fmt: skip
         env = {
             **os.environ,
             _ERROR_FILE: str(error_file),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
         }
-        proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
-        if proc.returncode == 0:
+        cmd = [sys.executable, "-m", "slimrl.megatron_bridge.cli", *argv]
+        logs = [Path(tmp) / f"rank{rank}.stderr" for rank in range(world)]
+        procs = []
+        try:
+            for rank, log in enumerate(logs):
+                with log.open("w") as stderr:
+                    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                    procs.append(subprocess.Popen(cmd, env=rank_env, stderr=stderr))
+            failed = _wait_all(procs)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if failed is None:
             return 0
         if error_file.exists():
             code, _, message = error_file.read_text().partition(" ")
             print(f"slimrl: error: {message}", file=sys.stderr)
             return int(code)
-        sys.stderr.write(proc.stderr[-4000:])
-        return proc.returncode
+        sys.stderr.write(logs[failed].read_text()[-4000:])
+        return procs[failed].returncode
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int | None:
+    """Wait for every process; on the first failure stop the rest. Returns the failed rank."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+        if failed is not None:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
+                proc.wait()
+            return failed
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 
 class SerialWorker:
-    def __init__(self, max_pending_bytes: int = 256 * 1024**2) -> None:
+    def __init__(self, max_pending_bytes: int = 64 * 1024**2) -> None:
         self.max_pending_bytes = max_pending_bytes
         self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._room = threading.Condition()

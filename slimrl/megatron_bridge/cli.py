@@ -8,6 +8,7 @@ exactly one line.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from slimrl.errors import SlimError
 
 _ERROR_FILE = "SLIMRL_ERROR_FILE"
+MAX_AUTO_WORKERS = 8
 
 
 def _layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -28,16 +30,40 @@ def _layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
     parser.add_argument(
         "--workers",
-        type=_positive,
-        default=1,
-        help="processes that split the layers between them (extra pipeline stages; up to one per core)",
+        type=_workers,
+        default="auto",
+        help="processes that split the layers between them (extra pipeline stages); default auto: "
+        f"one per free core, at most one per layer and {MAX_AUTO_WORKERS}",
     )
 
 
-def _positive(text: str) -> int:
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be `auto` or a whole number >= 1, got {text!r}")
     return int(text)
+
+
+def resolve_workers(args: argparse.Namespace, inside: bool) -> int:
+    """`--workers auto` as a number, the same on every rank. Joining a launched job, the job's size
+    decides; starting plainly, one worker per free core for the layout's ranks, at most one per
+    layer of each pipeline stage and `MAX_AUTO_WORKERS` (each pays ~0.5 GB of libraries)."""
+    from slimrl.megatron_bridge.layout_args import LayoutArgs
+
+    if args.workers != "auto":
+        return args.workers
+    ranks = LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp).world_size
+    if inside:
+        world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+        return max(1, world // ranks)
+    config_dir = args.hf_dir if args.direction == "hf-to-mcore" else args.hf_config_dir
+    try:
+        layers = int(json.loads((Path(config_dir) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1  # the conversion itself reports what is wrong with the config
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores // ranks, layers // args.pp, MAX_AUTO_WORKERS))
 
 
 def _layout(args: argparse.Namespace):
@@ -144,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
+    args.workers = resolve_workers(args, inside)
     if not inside:
         if _layout(args).world_size > 1:
-            return _launch(args, argv)
+            return _launch(args, [*argv, "--workers", str(args.workers)])  # the last one counts
         from slimrl.orchestration.placement import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -59,9 +59,13 @@ def _rank() -> int:
 
 
 def _progress(total: int | None, desc: str):
+    """Rank 0's bar (on stdout: stderr is kept for the one-line error a failed conversion prints).
+    With several ranks it counts rank 0's own share, so it has no total."""
+    import torch.distributed as dist
     from tqdm import tqdm
 
-    # stdout: stderr is kept for the one-line error a failed conversion prints.
+    if dist.get_world_size() > 1:
+        total, desc = None, f"{desc} (rank 0 of {dist.get_world_size()})"
     return tqdm(
         total=total,
         desc=desc,

@@ -8,7 +8,6 @@ way (`model-00001-of-00003.safetensors` + `model.safetensors.index.json`).
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from slimrl.errors import SlimError
+from slimrl.utils.mapped_files import MappedFiles
 from slimrl.utils.serial_worker import SerialWorker
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -68,10 +68,8 @@ def _check_shard(path: Path) -> tuple[dict[str, dict], int]:
 class HFCheckpointReader:
     """Lazy access to the tensors of an HF checkpoint directory (single file or sharded).
 
-    Tensors are zero-copy views of a memory map (private: a stray in-place write cannot reach the
-    file) and are read-only by contract. Every `RELEASE_BYTES` read, the maps' pages are dropped
-    from the resident set: a streaming conversion would otherwise grow to the checkpoint's size in
-    RSS (and count it against a cgroup limit). A page still in use simply faults in again."""
+    Tensors are zero-copy views of the shards' private memory maps and are read-only by contract;
+    every `RELEASE_BYTES` read, the maps' pages are dropped from the resident set."""
 
     RELEASE_BYTES = 256 * 1024**2
 
@@ -98,7 +96,7 @@ class HFCheckpointReader:
             raise BridgeError(
                 f"{index}: {len(missing)} tensors listed but not in their shard, e.g. {missing[0]}"
             )
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps = MappedFiles()
         self._since_release = 0
 
     @property
@@ -114,16 +112,12 @@ class HFCheckpointReader:
         if end == begin:
             return torch.empty(entry["shape"], dtype=dtype)
         if self._since_release > self.RELEASE_BYTES:
-            for mapping in self._maps.values():
-                mapping.madvise(mmap.MADV_DONTNEED)
+            self._maps.release()
             self._since_release = 0
         self._since_release += end - begin
-        if file not in self._maps:
-            with (self.dir / file).open("rb") as handle:
-                self._maps[file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         count = (end - begin) // dtype.itemsize
         offset = data_start + begin
-        flat = torch.frombuffer(self._maps[file], dtype=dtype, count=count, offset=offset)
+        flat = torch.frombuffer(self._maps[self.dir / file], dtype=dtype, count=count, offset=offset)
         if offset % dtype.itemsize:  # the format does not promise alignment; kernels may assume it
             flat = flat.clone()
         return flat.reshape(entry["shape"])

@@ -29,6 +29,7 @@ import torch
 from torch.storage import _dtype_to_storage_type_map, _storage_type_to_dtype_map
 
 from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.utils.mapped_files import MappedFiles
 from slimrl.utils.serial_worker import SerialWorker
 
 INDEX_FILE = ".metadata"
@@ -368,17 +369,14 @@ class ChunkFileReader:
                 self.meta = pickle.load(handle)
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
             raise BridgeError(f"{path}: unreadable tensor index ({exc})") from None
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps = MappedFiles()
         self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
 
     def _map(self, file: str) -> mmap.mmap:
-        if file not in self._maps:
-            path = self.dir / file
-            if not path.is_file():
-                raise BridgeError(f"{path}: data file listed in {INDEX_FILE} is missing")
-            with path.open("rb") as handle:
-                self._maps[file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._maps[file]
+        try:
+            return self._maps[self.dir / file]
+        except FileNotFoundError:
+            raise BridgeError(f"{self.dir / file}: data file listed in {INDEX_FILE} is missing") from None
 
     def _chunk_tensor(self, key: str, chunk: Any, index: int) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -457,9 +455,8 @@ class ChunkFileReader:
             )
 
     def release(self) -> None:
-        """Drop the maps' pages from the resident set (what was copied out stays valid)."""
-        for mapping in self._maps.values():
-            mapping.madvise(mmap.MADV_DONTNEED)
+        """Drop the maps' pages from the resident set (views of them stay valid)."""
+        self._maps.release()
 
 
 def _overlap(

@@ -14,9 +14,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first and pinned: on the dev machines this takes the local CPU wheel.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# torch first and pinned (SGLang 0.5.23 pins it): the dev machines carry its wheel locally.
+	$(BIN)/python -m pip install --quiet torch==2.14.1
+	# SGLang beside slimrl, as on GPU clusters: the real server is the referee of the test suite.
+	$(BIN)/python -m pip install --quiet -e ".[dev,sglang]"
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -27,6 +27,9 @@ Patches, each with the megatron-core code it covers:
   believes TE is present (its import of `extensions/transformer_engine.py` yields MagicMock
   placeholders without TE), so `HAVE_TE` is reset there.
 - no compile at import: `jit.py` wraps ~40 functions in `torch.compile` at import (slow, no gain on CPU).
+- CUDA-only extensions: `transformer/attention.py` imports `flash_mla` (installed with SGLang) and
+  catches only `ImportError`; without a GPU driver the module raises `OSError` (libcuda.so.1), so
+  it is marked absent before Megatron-Core is imported.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +49,8 @@ from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 _CPU = torch.device("cpu")
+_CUDA_ONLY_EXTENSIONS = ("flash_mla",)
+"""Modules whose import raises OSError (not ImportError) without a GPU driver."""
 
 
 def needs_cpu_compat() -> bool:
@@ -222,6 +228,8 @@ def apply() -> None:
     )
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
+    for module in _CUDA_ONLY_EXTENSIONS:
+        sys.modules.setdefault(module, None)  # type: ignore[arg-type]  # `import` raises ImportError
     _import_megatron_without_compile()
     _patch_rng()
     _patch_moe()

@@ -174,10 +174,15 @@ def server_command(
     """The command (and extra environment) that starts engine `index` of the fleet."""
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
+    from slimrl.compat.sglang_cpu import check_sglang_version
+    from slimrl.config.checks import resolve_device
     from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
+    check_sglang_version()
+    on_cpu = resolve_device(config) == "cpu"
     base_gpu = index * config.rollout.gpus_per_engine % max(config.cluster.gpus_per_node, 1)
     cmd = build_launch_command(
-        config, model_path=model_path, host=host, port=port, engine_index=index, base_gpu_id=base_gpu
-    )
-    return cmd, sglang_env(config)
+        config, model_path=model_path, host=host, port=port, engine_index=index, base_gpu_id=base_gpu,
+        on_cpu=on_cpu,
+    )  # fmt: skip
+    return cmd, sglang_env(config, on_cpu)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slimrl.compat import sglang_cpu
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 
@@ -49,9 +50,17 @@ class _Launch:
     engine_index: int
     base_gpu_id: int
     nccl_port: int | None
+    on_cpu: bool
+
+
+def _gpu_only(value_of: Callable[[_Launch], FlagValue]) -> Callable[[_Launch], FlagValue]:
+    """A flag that only means something on GPUs (a CPU server has no GPU ids or memory saver)."""
+    return lambda launch: None if launch.on_cpu else value_of(launch)
 
 
 def _attention_backend(launch: _Launch) -> str | None:
+    if launch.on_cpu:
+        return sglang_cpu.CPU_ATTENTION_BACKEND
     chosen = launch.config.rollout.sglang.attention_backend
     if chosen is None and launch.config.algorithm.true_on_policy:
         return DETERMINISTIC_ATTENTION_DEFAULT
@@ -68,24 +77,28 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     ("host", lambda launch: launch.host),
     ("port", lambda launch: launch.port),
     ("nccl-port", lambda launch: launch.nccl_port),
-    ("base-gpu-id", lambda launch: launch.base_gpu_id),
+    ("base-gpu-id", _gpu_only(lambda launch: launch.base_gpu_id)),
     ("tp-size", lambda launch: launch.config.rollout.gpus_per_engine),
     ("ep-size", lambda launch: launch.config.rollout.sglang.ep_size),
     ("enable-dp-attention", _dp_attention),
     # DP attention shards attention over every TP rank of the engine (DeepSeek-style serving).
     ("dp-size", lambda launch: launch.config.rollout.gpus_per_engine if _dp_attention(launch) else None),
-    ("mem-fraction-static", lambda launch: launch.config.rollout.sglang.mem_fraction_static),
+    ("mem-fraction-static", _gpu_only(lambda launch: launch.config.rollout.sglang.mem_fraction_static)),
     ("attention-backend", _attention_backend),
     ("quantization", lambda launch: launch.config.rollout.sglang.quantization),
     # Engines sample differently from each other but reproducibly across runs.
     ("random-seed", lambda launch: launch.config.run.seed + launch.engine_index),
     # Colocated engines must hand their GPU memory back while the trainer runs
     # (/release_memory_occupation needs torch_memory_saver, which this flag turns on).
-    ("enable-memory-saver", lambda launch: launch.config.cluster.colocate),
+    ("enable-memory-saver", _gpu_only(lambda launch: launch.config.cluster.colocate)),
     # `--rl-on-policy-target fsdp` is deliberately absent: it switches SGLang's layers to the
     # numerics of an FSDP trainer, and slimrl's trainer is Megatron (see REFUSED_EXTRA_ARGS).
-    ("enable-deterministic-inference", lambda launch: launch.config.algorithm.true_on_policy),
+    ("enable-deterministic-inference", _gpu_only(lambda launch: launch.config.algorithm.true_on_policy)),
     ("api-key", lambda launch: launch.config.rollout.api_key),
+    # CPU servers (slimrl/compat/sglang_cpu): SGLang's torch code paths, float32, a small KV pool.
+    ("device", lambda launch: "cpu" if launch.on_cpu else None),
+    ("dtype", lambda launch: sglang_cpu.CPU_DTYPE if launch.on_cpu else None),
+    ("max-total-tokens", lambda launch: sglang_cpu.CPU_MAX_TOTAL_TOKENS if launch.on_cpu else None),
 )
 
 MANAGED_FLAGS: tuple[str, ...] = tuple(name for name, _ in _FLAGS)
@@ -100,13 +113,14 @@ def build_launch_command(
     engine_index: int,
     base_gpu_id: int,
     nccl_port: int | None = None,
+    on_cpu: bool = False,
 ) -> list[str]:
     """argv of one SGLang server. The interpreter is this one: engines run in the launcher's env.
 
     Note that `--api-key` appears in the process list of the node, as with any SGLang launch.
     """
     validate_sglang_config(config)
-    launch = _Launch(config, model_path, host, port, engine_index, base_gpu_id, nccl_port)
+    launch = _Launch(config, model_path, host, port, engine_index, base_gpu_id, nccl_port, on_cpu)
     argv = [sys.executable, "-m", "sglang.launch_server"]
     for name, value_of in _FLAGS:
         argv += _render(name, value_of(launch))
@@ -190,8 +204,10 @@ def _value_text(value: Any) -> str:
     return str(value)
 
 
-def sglang_env(config: SlimConfig) -> dict[str, str]:
-    """Extra environment of an SGLang server: only true on-policy needs any (GPU numerics)."""
+def sglang_env(config: SlimConfig, on_cpu: bool = False) -> dict[str, str]:
+    """Extra environment of an SGLang server: the CPU engine's, or true on-policy's GPU numerics."""
+    if on_cpu:
+        return sglang_cpu.cpu_env()
     if not config.algorithm.true_on_policy:
         return {}
     return {

@@ -1,0 +1,181 @@
+"""SGLang 0.5.23's weight-update wire formats, built without importing SGLang.
+
+Importing `sglang` takes ~5 s and patches transformers process-wide, so trainer processes build
+the payloads from torch and the standard library alone, in exactly the shapes SGLang's own
+decoders accept (tests decode them with SGLang's code and load them into a real server):
+
+- `/update_weights_from_tensor`, `load_format: "flattened_bucket"`: one entry per engine TP rank
+  in `serialized_named_tensors`, each a base64 `ForkingPickler` pickle (SGLang's
+  `MultiprocessingSerializer`) of `{"flattened_tensor": uint8 buffer, "metadata": [...]}`. The
+  metadata entries are `types.SimpleNamespace`s with the fields of SGLang's
+  `FlattenedTensorMetadata` (SGLang reads them by attribute; both are on its unpickler's
+  allow-list). Tensors travel as torch's own reductions: CUDA IPC handles on GPUs, and on CPU
+  torch's `file_system` shared memory (the `file_descriptor` strategy needs a shared authkey).
+- `/update_weights_from_distributed`: a process group built like SGLang's
+  `init_custom_process_group` (TCP rendezvous, `PrefixStore(group_name)`, then torch's own group
+  prefixes), so the two sides meet; buffers laid out like SGLang's `FlattenedTensorBucket`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import io
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+import torch.multiprocessing.reductions
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """SGLang's `FlattenedTensorBucket` fields: tensors back to back as bytes, and their metadata."""
+    flats, metadata, offset = [], [], 0
+    for name, tensor in named:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(
+            SimpleNamespace(
+                name=name, shape=torch.Size(tensor.shape), dtype=tensor.dtype,
+                start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel(),
+            )
+        )  # fmt: skip
+        flats.append(flat)
+        offset += flat.numel()
+    buffer = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
+    return {"flattened_tensor": buffer, "metadata": metadata}
+
+
+def unflatten(buffer: torch.Tensor, metadata: Sequence[Any]) -> NamedTensors:
+    """Views into a flattened bucket (what SGLang's `reconstruct_tensors` returns)."""
+    return [(m.name, buffer[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+
+
+# --------------------------------------------------------------------------- CPU shared memory
+
+_SHM_LOCK = threading.Lock()
+_shm_manager_started = False
+
+
+def _start_shm_manager_detached() -> None:
+    """Start torch's `torch_shm_manager` with our stdin/stderr pointed at /dev/null.
+
+    The manager is forked on the first `file_system` share and lives until the last process that
+    mapped one of its segments exits, i.e. as long as the engines. Forked plainly it would inherit
+    our stderr and keep a parent's pipe open (a test or launcher reading our output would hang).
+    """
+    global _shm_manager_started
+    with _SHM_LOCK:
+        if _shm_manager_started:
+            return
+        saved = [os.dup(0), os.dup(2)]
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, 0)
+            os.dup2(null, 2)
+            with file_system_sharing():
+                torch.zeros(1).share_memory_()  # forks the manager now, with quiet fds
+        finally:
+            os.dup2(saved[0], 0)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, null):
+                os.close(fd)
+        _shm_manager_started = True
+
+
+@contextlib.contextmanager
+def file_system_sharing() -> Iterator[None]:
+    """torch's `file_system` CPU sharing strategy for the duration (it is process-global)."""
+    previous = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch_mp.set_sharing_strategy(previous)
+
+
+def serialize(obj: Any) -> str:
+    """`MultiprocessingSerializer.serialize(obj, output_str=True)`: base64 of a ForkingPickler pickle."""
+    buf = io.BytesIO()
+    if _has_cpu_tensor(obj):
+        _start_shm_manager_detached()
+        with file_system_sharing():
+            ForkingPickler(buf).dump(obj)
+    else:
+        ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _has_cpu_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_cuda
+    if isinstance(obj, dict):
+        return any(_has_cpu_tensor(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_has_cpu_tensor(v) for v in obj)
+    return False
+
+
+def tensor_update_body(
+    named: Sequence[tuple[str, torch.Tensor]], tp_size: int, version: str
+) -> dict[str, Any]:
+    """The `/update_weights_from_tensor` body for an engine with `tp_size` ranks.
+
+    Every TP rank reads its own entry (SGLang: `serialized_named_tensors[tp_rank]`) and loads the
+    full HF tensors through its weight loaders, which take the rank's shard. One pickle serves all
+    ranks on CPU (shared memory is mapped by name); on GPUs each rank needs its own CUDA IPC
+    handles for refcounting, so each entry is pickled separately.
+    """
+    bucket = flattened_bucket(named)
+    if bucket["flattened_tensor"].is_cuda:
+        entries = [serialize(bucket) for _ in range(tp_size)]
+    else:
+        entries = [serialize(bucket)] * tp_size
+    return {
+        "serialized_named_tensors": entries,
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+        "weight_version": version,
+    }
+
+
+# --------------------------------------------------------------------------- broadcast group
+
+
+def init_broadcast_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+) -> Any:
+    """Join the group an engine builds in `/init_weights_update_group` (same store-key chain as
+    SGLang's `init_custom_process_group`); rank 0 hosts the TCP store. Returns the process group."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name,
+        backend_options=None, timeout=timeout,
+    )  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def pack_for_broadcast(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One uint8 buffer with the tensors back to back (SGLang's `FlattenedTensorBucket.empty`)."""
+    return flattened_bucket([(str(i), t.to(device)) for i, t in enumerate(tensors)])["flattened_tensor"]

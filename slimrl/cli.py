@@ -15,9 +15,16 @@ Handler = Callable[[argparse.Namespace], int | None]
 
 def _train(args: argparse.Namespace) -> None:
     from slimrl.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.dry_run:  # no Ray, no processes: print what would start where, and how
+        from slimrl.orchestration.dry_run import render
+
+        print(render(config), flush=True)
+        return
     from slimrl.orchestration.entry import run_training
 
-    run_training(load_config(args.config, args.overrides))
+    run_training(config)
 
 
 def _rollout(args: argparse.Namespace) -> None:
@@ -107,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a policy (SFT or RL) from a YAML config")
     train.add_argument("config", help="YAML config, e.g. configs/tiny_moe_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print placement, weight-sync transport and every engine's launch command and "
+        "environment, then exit without starting anything (memory: `slimrl plan`)",
+    )
     train.set_defaults(handler=_train)
 
     rollout = sub.add_parser("rollout", help="generation only: run rollouts and write the samples")

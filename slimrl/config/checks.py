@@ -72,6 +72,26 @@ def train_world_size(config: SlimConfig) -> int:
     return total if config.cluster.colocate else total - config.cluster.rollout_gpus
 
 
+def engine_first_slot(config: SlimConfig) -> int:
+    """Slot (in (node, device) order) of engine 0: the engines share the trainer's slots when
+    colocated, else they take the ones after the training ranks."""
+    return 0 if config.cluster.colocate else train_world_size(config)
+
+
+def weight_transport(config: SlimConfig) -> str:
+    """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
+
+    `auto` never picks one the layout cannot run: `tensor` passes references (shared memory on
+    CPU, CUDA IPC on GPUs) that only mean something on the sender's host, so it needs everything
+    on one node and colocated; `distributed` works everywhere (gloo on CPU, NCCL on GPUs); `disk`
+    needs a directory every node shares, which cannot be checked from here, so it is never chosen.
+    """
+    choice = config.rollout.weight_sync
+    if choice != "auto":
+        return choice
+    return "tensor" if config.cluster.colocate and config.cluster.num_nodes == 1 else "distributed"
+
+
 def check_config(config: SlimConfig) -> None:
     for key, valid in CHOICES.items():
         value = _get(config, key)
@@ -88,6 +108,8 @@ def check_config(config: SlimConfig) -> None:
             raise ConfigError(f"{key}={value}: must be a positive number of steps, or null for never")
     _check_paths(config)
     _check_cluster(config)
+    _check_engine_nodes(config)
+    _check_weight_sync(config)
     _check_parallel(config)
     _check_algorithm(config)
 
@@ -123,6 +145,31 @@ def _check_cluster(config: SlimConfig) -> None:
         raise ConfigError(
             f"rollout.num_engines={config.rollout.num_engines}: {needed} devices for engines "
             f"(num_engines * gpus_per_engine) but only {rollout_devices} are available to rollout"
+        )
+
+
+def _check_engine_nodes(config: SlimConfig) -> None:
+    """An engine's devices must be on one node: SGLang addresses them as base id + TP rank."""
+    per_node, per_engine = config.cluster.gpus_per_node, config.rollout.gpus_per_engine
+    first = engine_first_slot(config)
+    for index in range(config.rollout.num_engines):
+        start = first + index * per_engine
+        if start // per_node != (start + per_engine - 1) // per_node:
+            raise ConfigError(
+                f"rollout.gpus_per_engine={per_engine}: engine {index} would take devices "
+                f"{start}..{start + per_engine - 1}, across two nodes of cluster.gpus_per_node={per_node} "
+                "(engines must fit within one node: choose gpus_per_engine and cluster.rollout_gpus so "
+                "they start at a node boundary)"
+            )
+
+
+def _check_weight_sync(config: SlimConfig) -> None:
+    """`tensor` sends host-local references; with several nodes some engine cannot open them."""
+    nodes = config.cluster.num_nodes
+    if config.rollout.weight_sync == "tensor" and nodes > 1:
+        raise ConfigError(
+            f"rollout.weight_sync=tensor: needs the trainer and every engine on one host, but "
+            f"cluster.num_nodes={nodes}; use auto, distributed or disk (disk: runs_dir shared by all nodes)"
         )
 
 

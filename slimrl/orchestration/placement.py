@@ -1,7 +1,8 @@
 """Ray: start or join a cluster, and one placement group whose bundles map ranks to devices.
 
 Bundles are re-sorted by (node IP, device id) so logical rank r always lands on the same physical
-device. On a CPU-only machine every bundle is one CPU slot and "device id" is the slot number.
+device. On a CPU-only machine every bundle is one CPU slot and "device id" is its position on the
+node. Which slots each rank and engine takes, and what it sees, is `launch_plan`'s business.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.launch_plan import EngineSeat, Slot, order_slots
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,13 @@ def start_ray(config: SlimConfig, device: str, slots_needed: int) -> None:
 
 @dataclass
 class DeviceSlots:
-    """The placement group and its bundle indices in (node, device) order."""
+    """The placement group, its bundle indices in (node, device) order, and where each is."""
 
     placement_group: Any
     ordered_bundles: list[int]
     use_gpu: bool
+    layout: list[Slot] = field(default_factory=list)
+    """Node and device of each slot, in slot order (what `launch_plan` computes seats from)."""
 
     def strategy(self, slot: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -75,11 +79,31 @@ class DeviceSlots:
         return {"num_gpus": share, "num_cpus": 0} if self.use_gpu else {"num_cpus": share}
 
 
-def _bundle_location() -> tuple[str, int]:
+def engine_actor_options(slots: DeviceSlots, seat: EngineSeat, share: float) -> dict[str, Any]:
+    """Ray options of an engine actor: `share` of its first slot, and on GPUs the switch that
+    keeps Ray from narrowing `CUDA_VISIBLE_DEVICES` to that one slot (per-actor env vars are
+    merged into the job's)."""
+    options: dict[str, Any] = {"scheduling_strategy": slots.strategy(seat.slots[0]), **slots.resources(share)}
+    if seat.actor_env:
+        options["runtime_env"] = {"env_vars": dict(seat.actor_env)}
+    return options
+
+
+def _bundle_location() -> tuple[str, str, int]:
     import ray
 
     gpu_ids = ray.get_gpu_ids()
-    return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else 0
+    node_id = ray.get_runtime_context().get_node_id()
+    return ray.util.get_node_ip_address(), node_id, int(gpu_ids[0]) if gpu_ids else 0
+
+
+def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
+    """(node, device) per bundle: nodes named by IP, plus a short node id where one IP hosts
+    several Ray nodes (test clusters), so bundles of different nodes never look alike."""
+    ids_of: dict[str, set[str]] = {}
+    for ip, node_id, _ in probes:
+        ids_of.setdefault(ip, set()).add(node_id)
+    return [(ip if len(ids_of[ip]) == 1 else f"{ip}/{node_id[:8]}", dev) for ip, node_id, dev in probes]
 
 
 def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
@@ -91,7 +115,7 @@ def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
     group = placement_group([dict(bundle) for _ in range(num_slots)], strategy="PACK")
     ray.get(group.ready(), timeout=300)
     probe = ray.remote(_bundle_location)
-    locations = ray.get(
+    probes = ray.get(
         [
             probe.options(
                 num_cpus=0.01,
@@ -101,8 +125,8 @@ def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
             for i in range(num_slots)
         ]
     )
-    order = sorted(range(num_slots), key=lambda i: (locations[i][0], locations[i][1], i))
-    return DeviceSlots(placement_group=group, ordered_bundles=order, use_gpu=use_gpu)
+    order, layout = order_slots(node_labels(probes), use_gpu)
+    return DeviceSlots(placement_group=group, ordered_bundles=order, use_gpu=use_gpu, layout=layout)
 
 
 def free_port() -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.metrics import MetricsWriter
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
@@ -34,17 +35,19 @@ class Fleet:
     ) -> None:
         import ray
 
+        from slimrl.orchestration.launch_plan import engine_seats
+        from slimrl.orchestration.placement import engine_actor_options
         from slimrl.orchestration.rollout_manager import EngineActor, RolloutManager
 
         self.config = config
         log_dir = str(run_dir / "logs")
-        per_engine = config.rollout.gpus_per_engine
+        seats = engine_seats(config, slots.layout, "cuda" if slots.use_gpu else "cpu")
+        assert not seats or seats[0].slots[0] == first_slot, (seats[0].slots, first_slot)
         remote = ray.remote(EngineActor)
         self.engines = []
-        for index in range(config.rollout.num_engines):
-            slot = first_slot + index * per_engine
-            options = remote.options(scheduling_strategy=slots.strategy(slot), **slots.resources(share))
-            self.engines.append(options.remote(config, index, log_dir))
+        for seat in seats:  # on GPUs each sees its node's GPUs (launch_plan.py)
+            options = remote.options(**engine_actor_options(slots, seat, share))
+            self.engines.append(options.remote(config, seat.index, log_dir, seat))
         self.urls: list[str] = ray.get([e.start.remote() for e in self.engines])
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8)
         self.manager = manager.remote(config, self.urls, log_dir)
@@ -107,14 +110,6 @@ def oldest_weight_version(groups: list[list[Sample]]) -> int:
     the engines' initial HF weights count as version 0."""
     versions = [int(v) if v.isdigit() else 0 for g in groups for s in g for v in s.weight_versions]
     return min(versions, default=0)
-
-
-def weight_transport(config: SlimConfig) -> str:
-    choice = config.rollout.weight_sync
-    if choice != "auto":
-        return choice
-    # Shared memory (CUDA IPC) needs trainer and engines on one host.
-    return "tensor" if config.cluster.colocate and config.cluster.num_nodes == 1 else "distributed"
 
 
 class RLRun:

@@ -9,22 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.launch_plan import EngineSeat
 
 logger = logging.getLogger(__name__)
 
 
 class EngineActor:
-    """Owns one server process (embedded engine on CPU, SGLang on GPU)."""
+    """Owns one server process (embedded engine on CPU, SGLang on GPU).
 
-    def __init__(self, config: SlimConfig, index: int, log_dir: str) -> None:
-        self.config, self.index, self.log_dir = config, index, Path(log_dir)
+    On GPUs the actor runs with Ray's `CUDA_VISIBLE_DEVICES` switch off (`seat.actor_env`), so its
+    server sees every GPU of the node and is pointed at its own by `--base-gpu-id`.
+    """
+
+    def __init__(self, config: SlimConfig, index: int, log_dir: str, seat: EngineSeat | None = None) -> None:
+        self.config, self.index, self.log_dir, self.seat = config, index, Path(log_dir), seat
         self.server: Any = None
         self.restarts = 0
+
+    def base_gpu_id(self) -> int | None:
+        """CUDA ordinal of the first GPU of this engine's slots, in what the node lets it see."""
+        if self.seat is None or not self.seat.on_gpu:
+            return None
+        return self.seat.base_gpu_id(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def start(self) -> str:
         from slimrl.orchestration.placement import free_port
@@ -32,7 +44,8 @@ class EngineActor:
 
         host = "127.0.0.1" if self.config.ray.address is None else _node_ip()
         port = free_port()
-        cmd, env = server_command(self.config, self.config.model.hf_checkpoint, host, port, self.index)
+        model = self.config.model.hf_checkpoint
+        cmd, env = server_command(self.config, model, host, port, self.index, self.base_gpu_id())
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.server = ServerProcess(
             name=f"engine{self.index}", command=cmd, host=host, port=port, env=env,

@@ -169,18 +169,24 @@ def embedded_command(config: SlimConfig, model_path: str, host: str, port: int, 
 
 
 def server_command(
-    config: SlimConfig, model_path: str, host: str, port: int, index: int
+    config: SlimConfig, model_path: str, host: str, port: int, index: int, base_gpu_id: int | None = None
 ) -> tuple[list[str], dict]:
-    """The command (and extra environment) that starts engine `index` of the fleet."""
+    """The command (and extra environment) that starts engine `index` of the fleet.
+
+    `base_gpu_id` is the CUDA ordinal of the engine's first GPU as its process sees it (the Ray
+    fleet passes the one its placement-group slots give, see `orchestration/launch_plan.py`);
+    None takes it from the config's own layout, for fleets started outside Ray.
+    """
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
     from slimrl.compat.sglang_cpu import check_sglang_version
     from slimrl.config.checks import resolve_device
+    from slimrl.orchestration.launch_plan import default_base_gpu_id
     from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
     check_sglang_version()
     on_cpu = resolve_device(config) == "cpu"
-    base_gpu = index * config.rollout.gpus_per_engine % max(config.cluster.gpus_per_node, 1)
+    base_gpu = default_base_gpu_id(config, index) if base_gpu_id is None else base_gpu_id
     cmd = build_launch_command(
         config, model_path=model_path, host=host, port=port, engine_index=index, base_gpu_id=base_gpu,
         on_cpu=on_cpu,

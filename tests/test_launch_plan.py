@@ -186,3 +186,54 @@ def test_dry_run_cli_starts_nothing_and_exits_0():
     assert proc.returncode == 0, proc.stderr
     assert "engine 31 on node31 GPUs 0-7" in proc.stdout and "--base-gpu-id 0" in proc.stdout
     assert "ray" not in proc.stderr.lower()
+
+
+# ---------------------------------------------------------------- Ray with fake GPU resources
+
+
+@pytest.mark.slow
+def test_ray_leaves_engine_actors_the_node_and_gives_ranks_one_gpu(tmp_path):
+    """Ray on this CPU machine with 8 fake GPUs: the engine actors' options (the same call as the
+    Fleet's) keep CUDA_VISIBLE_DEVICES unset, and a rank's share of one bundle narrows it to that
+    bundle's GPU."""
+    import os
+
+    import ray
+
+    from slimrl.orchestration.placement import create_device_slots, engine_actor_options, worker_env
+    from slimrl.orchestration.rollout_manager import EngineActor
+
+    class ProbedEngine(EngineActor):
+        def visible(self) -> tuple[str | None, str | None, list[int]]:
+            env = os.environ
+            return env.get("CUDA_VISIBLE_DEVICES"), env.get("TOKENIZERS_PARALLELISM"), ray.get_gpu_ids()
+
+    def rank_visible() -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    config = two_by_eight(colocate=False, engines=2, tp=2, rollout_gpus=4)
+    config.cluster.num_nodes = 1
+    ray.init(num_cpus=10, num_gpus=8, include_dashboard=False, runtime_env={"env_vars": worker_env("cuda")})
+    try:
+        slots = create_device_slots(8, use_gpu=True)
+        assert [s.device for s in slots.layout] == list(range(8)) and len({s.node for s in slots.layout}) == 1
+        seats = engine_seats(config, slots.layout, "cuda")
+        engines = [
+            ray.remote(ProbedEngine)
+            .options(**engine_actor_options(slots, seat, 1.0))
+            .remote(config, seat.index, str(tmp_path), seat)
+            for seat in seats
+        ]
+        for engine, seat in zip(engines, seats, strict=True):
+            visible, job_env, gpu_ids = ray.get(engine.visible.remote())
+            assert visible is None and job_env == "false"  # Ray's switch off; job env merged in
+            assert gpu_ids == [seat.devices[0]]  # Ray still accounts for the slot it reserved
+            assert ray.get(engine.base_gpu_id.remote()) == seat.devices[0] == 4 + 2 * seat.index
+        probe = ray.remote(rank_visible)
+        ranks = [
+            probe.options(scheduling_strategy=slots.strategy(r), **slots.resources(0.5)).remote()
+            for r in range(4)
+        ]
+        assert ray.get(ranks) == [str(s.visible_devices) for s in trainer_seats(config, slots.layout, "cuda")]
+    finally:
+        ray.shutdown()

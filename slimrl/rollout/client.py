@@ -10,11 +10,17 @@ it raises a one-line `SlimError` at once, without retries.
 Request ids: a request without an explicit `rid` gets `<rid_prefix><uuid>`, where the prefix comes
 from the `RID_PREFIX` context variable. The rollout sets it per rollout, so aborting that prefix
 also stops the requests of custom `generate()` hooks, which never see rids.
+
+Aborts: SGLang's `/abort_request` needs the exact rid (its tokenizer manager silently ignores a
+rid it does not know, such as a prefix), so the client remembers every rid in flight and where
+it went; `abort(prefix)` sends each matching rid to the engine that has it (to every engine when
+the router chose). Replies are parsed as SGLang shapes them: JSON, plain text or an empty body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
@@ -32,6 +38,8 @@ RID_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("slimrl_rid_pre
 """Prefix of generated rids in the current task (set by the rollout, inherited by hooks)."""
 
 ABORT_TIMEOUT_S = 10.0
+ABORT_CONCURRENCY = 64
+"""Abort calls in flight at once (one per rid and engine)."""
 _UNREACHABLE = "unreachable"
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.IncompleteReadError)
 
@@ -45,17 +53,30 @@ class NoEngineAvailable(SlimError):
 
 
 def error_message(status: int, text: str) -> str:
-    """One line out of an error body: SGLang's `{"error": {"message"}}`, `{"message"}` or plain text."""
+    """One line out of an error body: SGLang's `{"error": {"message"}}`, `{"error": str}`,
+    `{"message"}` (FastAPI validation, weight updates), `{"detail"}` or plain text."""
     message: Any = text
     try:
         payload = json.loads(text)
     except ValueError:
         payload = None
-    if isinstance(payload, dict):
+    if isinstance(payload, dict):  # FastAPI's 404/405 say {"detail"}
         inner = payload.get("error", payload)
-        message = inner.get("message", inner) if isinstance(inner, dict) else inner
+        message = inner.get("message", inner.get("detail", inner)) if isinstance(inner, dict) else inner
     flat = " ".join(str(message).split()) or "(empty body)"
     return f"HTTP {status}: {flat[:500]}"
+
+
+def parse_reply(text: str) -> Any:
+    """A 200 body as SGLang sends it: JSON (`{"success", "message"}` for weight updates,
+    `{"message", "status"}` for pause/continue, `null` for memory calls), plain text
+    (`/flush_cache`) or nothing (`/abort_request`, which gives None)."""
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class FleetClient:
@@ -81,6 +102,8 @@ class FleetClient:
         """Set when the router stops accepting connections: every request is routed client-side."""
         self.requests_via_router = 0
         self.requests_direct = 0
+        self.rids: dict[str, str | None] = {}
+        """rid -> engine it was last sent to (None: through the router), while in flight."""
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     # ------------------------------------------------------------------ fleet membership
@@ -158,13 +181,17 @@ class FleetClient:
             body["text"] = text
         body.update(extra)
         use_router = self.router_url is not None and not self.needs_client_routing(extra)
+        rid = body["rid"]
+        self.rids[rid] = None
         try:
             return await asyncio.wait_for(self._generate(body, use_router), timeout=self.request_timeout_s)
         except TimeoutError:
-            await self.abort(body["rid"])
+            await self._abort_rids([rid])
             raise RequestTimedOut(
-                f"request {body['rid']} exceeded rollout.request_timeout_s={self.request_timeout_s:g}"
+                f"request {rid} exceeded rollout.request_timeout_s={self.request_timeout_s:g}"
             ) from None
+        finally:
+            self.rids.pop(rid, None)
 
     async def _generate(self, body: dict[str, Any], use_router: bool) -> dict[str, Any]:
         tried: set[str] = set()
@@ -174,6 +201,7 @@ class FleetClient:
             via_router = use_router and attempt == 0 and not self.down and not self.router_down
             url = self.router_url if via_router else self._pick_engine(tried)
             assert url is not None
+            self.rids[body["rid"]] = None if via_router else url
             result, last_error = await self._post_generate(url, body)
             if via_router and result is None and last_error.startswith(_UNREACHABLE):
                 logger.error("router %s unreachable (%s); routing client-side from now on", url, last_error)
@@ -214,11 +242,36 @@ class FleetClient:
             self.in_flight[url] -= 1
 
     # ------------------------------------------------------------------ control
-    async def abort(self, rid: str | None = None) -> None:
-        """Abort by rid (prefix) or everything, on every live engine; failures are ignored, and a
-        hung engine cannot stall the caller (shutdown aborts must not hang)."""
-        payload = {"rid": rid} if rid else {"abort_all": True}
-        await self.control("abort_request", payload, ignore_errors=True, timeout_s=ABORT_TIMEOUT_S)
+    async def abort(self, prefix: str | None = None) -> None:
+        """Abort this client's requests whose rid starts with `prefix` (each by its exact rid), or
+        with no prefix everything on every live engine. Failures are ignored, and a hung engine
+        cannot stall the caller (shutdown aborts must not hang)."""
+        if not prefix:
+            await self.control(
+                "abort_request", {"abort_all": True}, ignore_errors=True, timeout_s=ABORT_TIMEOUT_S
+            )
+            return
+        await self._abort_rids([rid for rid in list(self.rids) if rid.startswith(prefix)])
+
+    async def _abort_rids(self, rids: list[str]) -> None:
+        """One exact-rid `/abort_request` per rid, to its engine or, if unknown, to every engine."""
+        gate = asyncio.Semaphore(ABORT_CONCURRENCY)
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+
+        async def one(url: str, rid: str) -> None:
+            async with gate:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with self._session().post(
+                        f"{url}/abort_request", json={"rid": rid}, headers=self._headers(), timeout=timeout
+                    ) as resp:
+                        await resp.read()
+
+        calls = []
+        for rid in rids:
+            engine = self.rids.get(rid)
+            targets = [engine] if engine in self.live_engines() else self.live_engines()
+            calls.extend(one(url, rid) for url in targets)
+        await asyncio.gather(*calls)
 
     async def control(
         self,
@@ -231,7 +284,7 @@ class FleetClient:
         return await self._fan_out("POST", endpoint, payload or {}, ignore_errors, timeout_s)
 
     async def query(self, endpoint: str, timeout_s: float | None = 60.0) -> list[Any]:
-        """GET a read-only endpoint (`get_weight_version`, `v1/loads`, ...) of every live engine."""
+        """GET a read-only endpoint (`get_model_info`, `v1/loads`, ...) of every live engine."""
         return await self._fan_out("GET", endpoint, None, False, timeout_s)
 
     async def _fan_out(
@@ -254,10 +307,7 @@ class FleetClient:
                         if ignore_errors:
                             return None
                         raise SlimError(f"/{endpoint} failed on {url}: {error_message(resp.status, text)}")
-                    try:
-                        return json.loads(text) if text.strip() else None
-                    except ValueError:
-                        return text
+                    return parse_reply(text)
             except aiohttp.ClientConnectionError as exc:
                 # The process is gone (refused/dropped connection): route around it until
                 # Fleet.heal() restarts it; a control call must not end the run.

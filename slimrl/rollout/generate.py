@@ -63,11 +63,23 @@ def apply_response(sample: Sample, response: dict[str, Any], loss_mask_value: in
     sample.loss_mask = [*previous_mask, *([loss_mask_value] * len(new_tokens))]
     sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *logprobs]
     sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "abort"), Status.ABORTED)
-    if meta.get("weight_version") is not None:
-        sample.weight_versions.append(str(meta["weight_version"]))
+    sample.weight_versions.extend(turn_weight_versions(meta))
     if meta.get("routed_experts") is not None:
         sample.metadata["routed_experts_b64"] = meta["routed_experts"]
     return new_tokens
+
+
+def turn_weight_versions(meta: dict[str, Any]) -> list[str]:
+    """The weight versions one engine turn was generated under, oldest first.
+
+    SGLang 0.5.23 sends `weight_versions`, one `{version, start, end}` span per version when an
+    update landed mid-request (its `weight_version` is only the last); older servers send only
+    `weight_version`. Recording every version keeps the rollout's oldest version right."""
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        return [str(span["version"]) for span in spans if isinstance(span, dict) and "version" in span]
+    version = meta.get("weight_version")
+    return [] if version is None else [str(version)]
 
 
 async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

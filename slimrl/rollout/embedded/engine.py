@@ -124,7 +124,8 @@ class GenerateResult:
     generated_ids: list[int]
     """Every sampled token; `output_token_logprobs` aligns with these."""
     output_ids: list[int]
-    """`generated_ids` minus a matched stop token unless `no_stop_trim` (SGLang's `output_ids`)."""
+    """SGLang's `output_ids`: every generated token, a matched stop token included even without
+    `no_stop_trim` (which only keeps the stop in `text`)."""
     text: str
     finish_reason: dict[str, Any]
     output_token_logprobs: list[float]
@@ -135,6 +136,8 @@ class GenerateResult:
     """int32 [prompt + generated - 1 - start, moe_layers, top_k] when asked."""
     weight_version: str
     e2e_latency: float
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    """SGLang's `meta_info.weight_versions`: `{version, start, end}` spans of the output tokens."""
     num_retractions: int = 0
     decode_logprob_max_abs_diff: float | None = None
     """With a rescorer: max |decode-time logprob - rescored logprob| over the response."""
@@ -158,6 +161,8 @@ class _Req:
     input_logprobs: list[float | None] | None = None
     routing: list[torch.Tensor] = field(default_factory=list)
     retractions: int = 0
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    """(version before an update, tokens generated under it): SGLang's `WeightVersionEvent`."""
 
     @property
     def rid(self) -> str:
@@ -211,6 +216,8 @@ class Engine:
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         self.model_path = str(model_path)
+        self.tokenizer_path = self.model_path
+        """Stays the launch path when weights come from elsewhere (SGLang keeps it too)."""
         with quiet_progress_bars():
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             model = AutoModelForCausalLM.from_pretrained(
@@ -300,7 +307,7 @@ class Engine:
             if seed is None:
                 seed = self._seed_rng.randrange(1 << 63)
             generator = torch.Generator().manual_seed(int(seed) & ((1 << 64) - 1))
-            max_new = min(request.sampling.max_new_tokens, self.context_length - len(request.input_ids))
+            max_new = request.sampling.max_new_tokens
             req = _Req(
                 spec=request, future=future, generator=generator, max_new=max_new, arrival=time.monotonic()
             )
@@ -324,6 +331,14 @@ class Engine:
                 f"the input ({len(ids)} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens)"
             )
+        total = len(ids) + request.sampling.max_new_tokens
+        if total > self.context_length:  # SGLang refuses rather than truncating
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of {total} tokens: {len(ids)} "
+                f"tokens from the input messages and {request.sampling.max_new_tokens} tokens for the "
+                "completion."
+            )
         if request.return_routed_experts and not self.is_moe:
             raise RequestError("return_routed_experts: the model has no routed experts")
         if not 0 <= request.routed_experts_start_len <= len(ids):
@@ -346,9 +361,13 @@ class Engine:
             self._cv.notify_all()
         return future
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> Future[int]:
-        """Abort requests whose rid starts with `rid` (or all); resolves to how many."""
-        return self.call_async(lambda: self._abort(rid, abort_all))
+    def abort(self, rid: str | None = None, abort_all: bool = False, exact: bool = False) -> Future[int]:
+        """Abort requests whose rid starts with `rid` (or all); resolves to how many.
+
+        With `exact`, nothing happens unless a live request has exactly this rid, as behind
+        SGLang's HTTP API: its tokenizer manager ignores a rid it does not know (a prefix), and
+        only then does its scheduler abort by prefix."""
+        return self.call_async(lambda: self._abort(rid, abort_all, exact=exact))
 
     def pause(self, mode: str = "abort") -> Future[None]:
         return self.call_async(lambda: self._pause(mode))
@@ -376,12 +395,21 @@ class Engine:
     def update_weights_from_disk(
         self, model_path: str | Path, weight_version: str | None = None
     ) -> Future[int]:
-        return self.call_async(
-            lambda: self._load(lambda: load_checkpoint(self.targets, model_path), weight_version)
-        )
+        """Load a checkpoint directory; `model_path` then names it, as SGLang's `/get_model_info`."""
+
+        def load() -> int:
+            count = load_checkpoint(self.targets, model_path)
+            self.model_path = str(model_path)
+            return count
+
+        return self.call_async(lambda: self._load(load, weight_version))
 
     def set_weight_version(self, version: str) -> Future[None]:
-        return self.call_async(lambda: setattr(self, "weight_version", str(version)))
+        return self.call_async(lambda: self._set_weight_version(str(version)))
+
+    def is_idle(self) -> Future[bool]:
+        """No request running or queued (SGLang's `is_fully_idle`, which a cache flush needs)."""
+        return self.call_async(lambda: not self._busy())
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Future[list[float]]:
         return self.call_async(lambda: self.targets.get(name).detach().reshape(-1)[:truncate_size].tolist())
@@ -398,8 +426,13 @@ class Engine:
 
     # ------------------------------------------------------------------ command bodies
 
-    def _abort(self, rid: str | None, abort_all: bool, message: str = "Aborted") -> int:
+    def _live(self) -> list[_Req]:
+        return [*self._running, *self._waiting, *self._incoming]
+
+    def _abort(self, rid: str | None, abort_all: bool, message: str = "Aborted", exact: bool = False) -> int:
         if not abort_all and not rid:
+            return 0
+        if exact and not abort_all and all(req.rid != rid for req in self._live()):
             return 0
 
         def hit(req: _Req) -> bool:
@@ -472,8 +505,31 @@ class Engine:
         if refresh is not None:  # keep the rescorer's copy of the weights in step
             refresh(self.targets)
         if weight_version is not None:
-            self.weight_version = str(weight_version)
+            self._set_weight_version(str(weight_version))
         return count
+
+    def _set_weight_version(self, version: str) -> None:
+        """Record where each live request's output changes version (SGLang's span events)."""
+        if version == self.weight_version:
+            return
+        for req in self._live():
+            if req.output:
+                req.version_events.append((self.weight_version, len(req.output)))
+        self.weight_version = version
+
+    def _version_spans(self, req: _Req) -> list[dict[str, Any]]:
+        """SGLang's `compute_weight_version_spans`: one span per version, covering the output."""
+        total = len(req.output)
+        spans: list[dict[str, Any]] = []
+        for version, end in [*req.version_events, (self.weight_version, total)]:
+            end = min(end, total)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and version == spans[-1]["version"]:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return spans
 
     # ------------------------------------------------------------------ scheduler loop
 
@@ -765,8 +821,9 @@ class Engine:
         generated = list(req.output)
         matched = reason.get("matched")
         trim = reason["type"] == "stop" and not p.no_stop_trim
-        output_ids = generated[:-1] if trim and isinstance(matched, int) and generated else generated
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=p.skip_special_tokens)
+        # SGLang keeps a matched stop token in `output_ids` either way; only the text drops it.
+        shown = generated[:-1] if trim and isinstance(matched, int) and generated else generated
+        text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
         if trim and isinstance(matched, str) and matched in text:
             text = text[: text.find(matched)]
         logprobs = list(req.logprobs)
@@ -778,7 +835,7 @@ class Engine:
             rid=req.rid,
             prompt_ids=list(spec.input_ids),
             generated_ids=generated,
-            output_ids=output_ids,
+            output_ids=generated,
             text=text,
             finish_reason=reason,
             output_token_logprobs=logprobs,
@@ -786,6 +843,7 @@ class Engine:
             input_token_ids=spec.input_ids[max(min(spec.logprob_start_len, len(spec.input_ids) - 1), 0) :],
             routed_experts=self._routed_rows(req) if spec.return_routed_experts else None,
             weight_version=self.weight_version,
+            weight_versions=self._version_spans(req),
             e2e_latency=time.monotonic() - req.arrival,
             num_retractions=req.retractions,
             decode_logprob_max_abs_diff=decode_diff,

@@ -268,13 +268,15 @@ def generate_response(
     result: GenerateResult, request: GenerateRequest, parsed: ParsedGenerate, tokenizer: Any
 ) -> dict[str, Any]:
     """One item of SGLang's non-streaming `/generate` response."""
+    spans = result.weight_versions
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "completion_tokens": result.completion_tokens,
         "cached_tokens": 0,
-        "weight_version": result.weight_version,
+        "weight_version": spans[-1]["version"] if spans else result.weight_version,  # as SGLang
+        "weight_versions": spans,
         "num_retractions": result.num_retractions,
         "e2e_latency": result.e2e_latency,
     }

@@ -6,8 +6,11 @@ the SGLang HTTP API reference, `sglang_http_api.md`); the deliberate differences
 
 * `/health` is a liveness check (model loaded, scheduler alive); `/health_generate` runs a real
   one-token generation (or answers 200 at once while generation is paused or memory released);
-* control endpoints always answer JSON `{"success": bool, "message": str}` (SGLang returns empty
-  bodies, plain text or `null` for some of them); every error body is JSON with a one-line message;
+* reply bodies are SGLang's (`tests/test_engine_contract.py` holds both engines to them): empty
+  for `/abort_request`, plain text for `/flush_cache`, `null` for memory release/resume,
+  `{"message", "status"}` for pause/continue, `{"success", "message"}` for weight updates and
+  their sessions; a malformed body is FastAPI's 400 `{"object": "error", "message", ...}`, other
+  errors `{"error": {"message"}}`, with one-line messages (SGLang's span several lines);
 * there is no prefix cache: `cached_tokens` is 0 and `flush_cache` only checks idleness;
 * `init_weights_update_group` supports `backend: "gloo"` only (CPU); ranks join a standalone group
   made by `tensor_transport.init_weight_update_group`, which the trainer side must use as well;
@@ -38,7 +41,7 @@ from aiohttp import web
 
 import slimrl
 from slimrl.rollout.embedded import tensor_transport
-from slimrl.rollout.embedded.engine import Engine, EngineError, GenerateRequest, RequestError
+from slimrl.rollout.embedded.engine import PAUSE_MODES, Engine, EngineError, GenerateRequest, RequestError
 from slimrl.rollout.embedded.protocol import generate_response, parse_generate
 from slimrl.rollout.embedded.sampling import SamplingParams
 from slimrl.rollout.embedded.weights import WeightUpdateError
@@ -61,10 +64,31 @@ OPEN_PATHS = frozenset(
         "/server_info",
         "/get_load",
         "/v1/loads",
-        "/get_weight_version",
     }
 )
 """Endpoints that need no API key: generation, health and read-only information."""
+SUCCESS_SHAPED = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/begin_weight_update",
+        "/end_weight_update",
+    }
+)
+"""Endpoints whose refusals SGLang answers as `{"success": false, "message"}`."""
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
+SESSION_NEEDED = "{} must run between begin_weight_update() and end_weight_update()"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -92,11 +116,23 @@ class HttpError(Exception):
         self.message = " ".join(message.split())
 
 
-def _error_body(status: int, message: str, control: bool) -> dict[str, Any]:
+class BadBody(HttpError):
+    """A request body that does not fit the endpoint's schema (FastAPI's validation error)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+def _error_body(status: int, message: str, path: str, validation: bool) -> dict[str, Any]:
+    """SGLang's error shape for this path and kind of error."""
     message = " ".join(str(message).split()) or "error"
-    if control:
+    if path == "/generate":
+        return {"error": {"message": message, "code": status}}
+    if validation:
+        return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    if path in SUCCESS_SHAPED:
         return {"success": False, "message": message}
-    return {"error": {"message": message, "code": status}}
+    return {"error": {"message": message}}
 
 
 def _ok(message: str, **extra: Any) -> web.Response:
@@ -125,16 +161,16 @@ async def _json_body(request: web.Request, *, required: bool = False) -> dict[st
     raw = await request.text()
     if not raw.strip():
         if required:
-            raise HttpError(400, "request body is empty; expected a JSON object")
+            raise BadBody("request body is empty; expected a JSON object")
         return {}
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise HttpError(400, f"malformed JSON body: {exc}") from None
+        raise BadBody(f"malformed JSON body: {exc}") from None
     if body is None and not required:
         return {}
     if not isinstance(body, dict):
-        raise HttpError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        raise BadBody(f"request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
@@ -143,12 +179,12 @@ def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
     value = body.get(key)
     if value is None:
         if default is ...:
-            raise HttpError(400, f"missing required field `{key}`")
+            raise BadBody(f"missing required field `{key}`")
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         expected = " or ".join(k.__name__ for k in kinds)
-        raise HttpError(400, f"field `{key}`: invalid type {type(value).__name__}, expected {expected}")
+        raise BadBody(f"field `{key}`: invalid type {type(value).__name__}, expected {expected}")
     return value
 
 
@@ -164,6 +200,8 @@ class EmbeddedServer:
         self.stopped = asyncio.Event()
         self.started_at = time.time()
         self._groups: dict[str, tensor_transport.WeightUpdateGroup] = {}
+        self._session_open = False
+        """SGLang 0.5.23's weight-update session: tensor and distributed loads need one."""
         self._group_lock = asyncio.Lock()
         self.app = self._build_app()
 
@@ -197,7 +235,6 @@ class EmbeddedServer:
             (("GET", "POST"), "/server_info", self.server_info),
             (("GET",), "/get_load", self.get_load),
             (("GET",), "/v1/loads", self.v1_loads),
-            (("GET",), "/get_weight_version", self.get_weight_version),
             (("GET", "POST"), "/flush_cache", self.flush_cache),
             (("POST",), "/abort_request", self.abort_request),
             (("POST",), "/pause_generation", self.pause_generation),
@@ -211,8 +248,8 @@ class EmbeddedServer:
             (("POST",), "/destroy_weights_update_group", self.destroy_weights_update_group),
             (("POST",), "/update_weight_version", self.update_weight_version),
             (("GET", "POST"), "/get_weights_by_name", self.get_weights_by_name),
-            (("POST",), "/begin_weight_update", self.weight_update_session),
-            (("POST",), "/end_weight_update", self.weight_update_session),
+            (("POST",), "/begin_weight_update", self.begin_weight_update),
+            (("POST",), "/end_weight_update", self.end_weight_update),
         ]
         for methods, path, handler in routes:
             for method in methods:
@@ -221,17 +258,17 @@ class EmbeddedServer:
         return app
 
     def _is_control(self, path: str) -> bool:
-        """Control endpoints answer `{"success", "message"}` and need the API key."""
+        """Control endpoints need the API key."""
         return path in self._control_paths
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every error becomes JSON with a one-line message."""
-        control = self._is_control(request.path)
+        """Every error becomes JSON in SGLang's shape for the path, with a one-line message."""
+        validation = False
         try:
             return await handler(request)
         except HttpError as exc:
-            status, message = exc.status, exc.message
+            status, message, validation = exc.status, exc.message, isinstance(exc, BadBody)
         except (RequestError, WeightUpdateError) as exc:
             status, message = 400, str(exc)
         except EngineError as exc:
@@ -243,7 +280,7 @@ class EmbeddedServer:
         except Exception as exc:
             log.exception("unhandled error on %s", request.path)
             status, message = 500, f"{type(exc).__name__}: {exc}"
-        return web.json_response(_error_body(status, message, control), status=status)
+        return web.json_response(_error_body(status, message, request.path, validation), status=status)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -363,7 +400,7 @@ class EmbeddedServer:
         return web.json_response(
             {
                 "model_path": engine.model_path,
-                "tokenizer_path": engine.model_path,
+                "tokenizer_path": engine.tokenizer_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": engine.weight_version,
@@ -457,48 +494,50 @@ class EmbeddedServer:
             }
         )
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self._engine().weight_version})
-
     # ------------------------------------------------------------------ scheduling control
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        """Plain text, as SGLang: 200 when idle, 400 while requests run or wait."""
         engine = self._engine()
         if await self._wait(engine.flush_cache()):
-            return _ok("Cache flushed.")
-        raise HttpError(400, "Cache not flushed: requests are still running")
+            return web.Response(text=FLUSHED)
+        return web.Response(text="Flush cache failed.\n", status=400)
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """Empty 200 whatever it hit; a rid must be exact (SGLang ignores a prefix)."""
         engine = self._engine()
         body = await _json_body(request)
         rid = _field(body, "rid", str, "")
         abort_all = _field(body, "abort_all", bool, False)
-        count = await self._wait(engine.abort(rid, abort_all))
-        return _ok(f"aborted {count} request(s)")
+        await self._wait(engine.abort(rid, abort_all, exact=True))
+        return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         engine = self._engine()
         mode = _field(await _json_body(request), "mode", str, "abort")
+        if mode not in PAUSE_MODES:
+            raise BadBody(f"mode: Input should be 'abort', 'retract' or 'in_place', got {mode!r}")
         await self._wait(engine.pause(mode))
-        return _ok("Generation paused successfully.", status="ok")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         engine = self._engine()
         await _json_body(request)
         await self._wait(engine.continue_generation())
-        return _ok("Generation continued successfully.", status="ok")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
+        """Body `null`, as SGLang's handler returns None."""
         engine = self._engine()
         tags = _field(await _json_body(request), "tags", list, None)
         await self._wait(engine.release_memory(tags))
-        return _ok("KV cache released; generation is refused until resume_memory_occupation.")
+        return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         engine = self._engine()
         tags = _field(await _json_body(request), "tags", list, None)
         await self._wait(engine.resume_memory(tags))
-        return _ok("Memory resumed.")
+        return web.json_response(None)
 
     # ------------------------------------------------------------------ weights
 
@@ -506,22 +545,36 @@ class EmbeddedServer:
         """Common options of the weight-update endpoints; returns the new weight version."""
         if _field(body, "abort_all_requests", bool, False):
             await self._wait(engine.abort(abort_all=True))
-        _field(body, "flush_cache", bool, True)  # no prefix cache: nothing to flush
+        _field(body, "flush_cache", bool, True)
         version = body.get("weight_version")
         return None if version is None else str(version)
 
+    async def _after_update(self, engine: Engine, body: dict[str, Any], version: str | None) -> str:
+        """SGLang's ending: the flush (default on) fails the call while requests run or wait,
+        though the weights were loaded; otherwise the success message."""
+        if _field(body, "flush_cache", bool, True) and not await self._wait(engine.is_idle()):
+            raise WeightUpdateError(NOT_FLUSHED)
+        suffix = f" Weight version updated to {version}." if version is not None else ""
+        return f"Succeeded to update model weights.{suffix}"
+
+    def _require_session(self, endpoint: str) -> None:
+        if not self._session_open:
+            raise WeightUpdateError(SESSION_NEEDED.format(endpoint))
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """No session needed (SGLang checks one only for tensor and distributed loads)."""
         engine = self._engine()
         body = await _json_body(request, required=True)
         path = _field(body, "model_path", str)
         version = await self._before_update(engine, body)
         try:
-            count = await self._wait(engine.update_weights_from_disk(path, version))
+            await self._wait(engine.update_weights_from_disk(path, version))
+            message = await self._after_update(engine, body, version)
         except WeightUpdateError as exc:
             return web.json_response(
                 {"success": False, "message": str(exc), "num_paused_requests": 0}, status=400
             )
-        return _ok(f"Succeeded to update model weights ({count} tensors).", num_paused_requests=0)
+        return _ok(message, num_paused_requests=0)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         engine = self._engine()
@@ -529,16 +582,17 @@ class EmbeddedServer:
         payloads = _field(body, "serialized_named_tensors", list)
         load_format = _field(body, "load_format", str, None)
         if not payloads or not isinstance(payloads[0], str):
-            raise HttpError(400, "serialized_named_tensors must be a non-empty list of base64 strings")
+            raise BadBody("serialized_named_tensors must be a non-empty list of base64 strings")
+        self._require_session("update_weights_from_tensor")
         version = await self._before_update(engine, body)
         # tp_size is 1: this engine's rank reads entry 0, as SGLang's TP rank 0 does.
         try:
             named = await _in_thread(lambda: tensor_transport.decode_update_payload(payloads[0], load_format))
         except ValueError as exc:
             raise HttpError(400, f"serialized_named_tensors[0]: {exc}") from None
-        count = await self._wait(engine.update_weights(named, version))
+        await self._wait(engine.update_weights(named, version))
         del named
-        return _ok(f"Succeeded to update model weights ({count} tensors).")
+        return _ok(await self._after_update(engine, body, version))
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         self._engine()
@@ -574,6 +628,7 @@ class EmbeddedServer:
         shapes = _field(body, "shapes", list)
         name = _field(body, "group_name", str, "weight_update_group")
         load_format = _field(body, "load_format", str, None)
+        self._require_session("update_weights_from_distributed")
         if not len(names) == len(dtype_names) == len(shapes):
             raise HttpError(400, "names, dtypes and shapes must have the same length")
         dtypes = []
@@ -601,8 +656,8 @@ class EmbeddedServer:
 
         async with self._group_lock:  # broadcasts of two updates must not interleave
             named = await _in_thread(receive)
-        count = await self._wait(engine.update_weights(named, version))
-        return _ok(f"Succeeded to update model weights ({count} tensors).")
+        await self._wait(engine.update_weights(named, version))
+        return _ok(await self._after_update(engine, body, version))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = _field(await _json_body(request), "group_name", str, "weight_update_group")
@@ -629,11 +684,24 @@ class EmbeddedServer:
         values = await self._wait(engine.get_weights_by_name(name, size))
         return web.json_response(values)
 
-    async def weight_update_session(self, request: web.Request) -> web.Response:
-        """SGLang 0.5.23's begin/end_weight_update: nothing to restore or post-process here."""
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """Open SGLang 0.5.23's session (nothing to restore here: no in-place quantisation)."""
+        self._engine()
+        selector = _field(await _json_body(request), "selector", str, "all")
+        if selector not in ("target", "draft", "all"):
+            raise BadBody(f"selector: Input should be 'target', 'draft' or 'all', got {selector!r}")
+        if self._session_open:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self._session_open = True
+        return _ok("Success")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
         self._engine()
         await _json_body(request)
-        return _ok("ok")
+        if not self._session_open:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        self._session_open = False
+        return _ok("Success")
 
 
 async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:

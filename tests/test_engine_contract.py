@@ -1,0 +1,387 @@
+"""One HTTP contract, two engines: real SGLang 0.5.23 (the referee) and the embedded engine.
+
+Every test runs against both, on the tiny Qwen3-MoE in float32; what real SGLang does is the
+contract, and the embedded engine was changed wherever it differed. One server per engine kind
+serves the whole module (a real SGLang start takes 20-45 s and ~4 GB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from slimrl.errors import SlimError
+from slimrl.rollout.client import FleetClient
+from slimrl.rollout.generate import turn_weight_versions
+from tests.engines import ENGINES, running_engines
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 6, 7]
+GREEDY = {"temperature": 0.0}
+LONG = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 500}
+"""Long enough to act on while it runs (prompt + 500 fits the tiny model's 512 positions)."""
+FLUSHED_PREFIX = "Cache flushed."
+PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+
+_greedy_by_engine: dict[str, dict[str, Any]] = {}
+"""First test's greedy answer per engine, compared across engines once both ran."""
+
+
+class Engine:
+    """A running server of one kind, with the checkpoints it can load."""
+
+    def __init__(self, kind: str, url: str, model: Path, other: Path) -> None:
+        self.kind, self.url, self.model, self.other = kind, url, model, other
+
+    def post(self, path: str, body: Any = None, timeout: float = 120) -> requests.Response:
+        return requests.post(f"{self.url}/{path}", json={} if body is None else body, timeout=timeout)
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(f"{self.url}/{path}", timeout=60)
+
+    def generate(self, ids: list[int], params: dict[str, Any], **extra: Any) -> Any:
+        response = self.post("generate", {"input_ids": ids, "sampling_params": params, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def running(self) -> int:
+        return sum(load["num_running_reqs"] for load in self.get("v1/loads").json()["loads"])
+
+    def wait_running(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.running() < count:
+            assert time.monotonic() < deadline, f"{self.kind}: {count} request(s) never started"
+            time.sleep(0.01)
+
+
+class Background:
+    """A `/generate` call on a thread, so the test can act while it runs."""
+
+    def __init__(self, engine: Engine, params: dict[str, Any], **extra: Any) -> None:
+        self.result: Any = None
+        self._thread = threading.Thread(target=self._run, args=(engine, params, extra), daemon=True)
+        self._thread.start()
+
+    def _run(self, engine: Engine, params: dict[str, Any], extra: dict[str, Any]) -> None:
+        self.result = engine.generate(PROMPT, params, **extra)
+
+    def join(self, timeout: float = 60) -> Any:
+        self._thread.join(timeout)
+        assert self.result is not None, "the request did not return"
+        return self.result
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, tiny_model, tmp_path_factory) -> Iterator[Engine]:
+    kind = request.param
+    model, other = tiny_model("qwen3_moe"), tiny_model("qwen3_moe", seed=1)
+    with running_engines(kind, model, tmp_path_factory.mktemp(f"contract-{kind}")) as (url,):
+        yield Engine(kind, url, model, other)
+
+
+def run(coro_fn: Callable[[], Any]) -> Any:
+    return asyncio.run(coro_fn())
+
+
+# ---------------------------------------------------------------------- /generate
+
+
+def test_generate_single_with_output_and_input_logprobs(engine: Engine) -> None:
+    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 6}, return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 6 and len(out["output_ids"]) == 6
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == out["output_ids"] and all(t[2] is None for t in triples)
+    assert all(t[0] < 0 for t in triples)
+    inputs = meta["input_token_logprobs"]
+    assert [t[1] for t in inputs] == PROMPT and inputs[0][0] is None and all(t[0] < 0 for t in inputs[1:])
+    _greedy_by_engine[engine.kind] = out
+    if len(_greedy_by_engine) == len(ENGINES):  # greedy float32: same tokens, same logprobs
+        ref, emb = (_greedy_by_engine[k] for k in ENGINES)
+        assert ref["output_ids"] == emb["output_ids"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            a, b = ref["meta_info"][key], emb["meta_info"][key]
+            assert [x[1] for x in a] == [x[1] for x in b]
+            assert max(abs(x[0] - y[0]) for x, y in zip(a, b, strict=True) if x[0] is not None) < 1e-5
+
+
+def test_generate_batch_equals_single_requests(engine: Engine) -> None:
+    prompts = [PROMPT, [8, 9], [10, 11, 12, 13]]
+    batch = engine.generate(prompts, {**GREEDY, "max_new_tokens": 4}, return_logprob=True)  # type: ignore[arg-type]
+    assert isinstance(batch, list) and len(batch) == 3
+    for prompt, item in zip(prompts, batch, strict=True):
+        single = engine.generate(prompt, {**GREEDY, "max_new_tokens": 4})
+        assert item["output_ids"] == single["output_ids"] and len(item["output_ids"]) == 4
+        assert item["meta_info"]["prompt_tokens"] == len(prompt)
+        assert len(item["meta_info"]["output_token_logprobs"]) == 4
+
+
+def test_stop_reasons(engine: Engine) -> None:
+    free = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 8})["output_ids"]
+    stop_token = free[2]
+    first = free.index(stop_token)
+    for trim in (False, True):
+        out = engine.generate(
+            PROMPT, {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [stop_token], "no_stop_trim": trim}
+        )
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+        assert out["output_ids"] == free[: first + 1]  # the stop token stays in output_ids either way
+    text = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 8, "no_stop_trim": True})["text"]
+    stop = text[2:4]
+    out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 8, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.find(stop)]  # trimmed without no_stop_trim
+    zero = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    too_long = engine.post("generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 510}})
+    assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+
+
+def test_weight_versions_spans_an_update_mid_request(engine: Engine) -> None:
+    before = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 3})["meta_info"]
+    version = before["weight_version"]
+    assert before["weight_versions"] == [{"version": version, "start": 0, "end": 3}]
+    job = Background(engine, LONG)
+    engine.wait_running(1)
+    assert engine.post("pause_generation", {"mode": "in_place"}).json() == PAUSED
+    new = f"{engine.kind}-mid"
+    reply = engine.post("update_weight_version", {"new_version": new, "abort_all_requests": False})
+    assert reply.status_code == 200
+    assert reply.json() == {
+        "success": True,
+        "message": f"Weight version updated to {new}",
+        "new_version": new,
+    }
+    assert engine.post("continue_generation").json() == CONTINUED
+    meta = job.join()["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == new
+    old_span, new_span = meta["weight_versions"]
+    assert old_span["version"] == version and new_span == {
+        "version": new,
+        "start": old_span["end"],
+        "end": 500,
+    }
+    assert old_span["start"] == 0 and 0 < old_span["end"] < 500
+    assert turn_weight_versions(meta) == [version, new]  # the sample records both, oldest first
+    assert engine.get("get_model_info").json()["weight_version"] == new
+
+
+# ---------------------------------------------------------------------- pause / continue / flush
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_requests_and_continue_finishes_them(engine: Engine, mode: str) -> None:
+    flushed = engine.get("flush_cache")
+    assert flushed.status_code == 200 and flushed.text.startswith(FLUSHED_PREFIX)
+    job = Background(engine, LONG)
+    engine.wait_running(1)
+    busy = engine.get("flush_cache")
+    assert busy.status_code == 400 and busy.text == "Flush cache failed.\n"  # plain text, as SGLang
+    reply = engine.post("pause_generation", {"mode": mode})
+    assert reply.status_code == 200 and reply.json() == PAUSED
+    flush = engine.post("flush_cache")  # in_place keeps the KV cache of the running batch
+    assert flush.status_code == (200 if mode == "retract" else 400)
+    assert engine.post("continue_generation").json() == CONTINUED
+    meta = job.join()["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 500}
+    assert meta["num_retractions"] == (1 if mode == "retract" else 0)
+
+
+def test_pause_abort_returns_partial_output(engine: Engine) -> None:
+    job = Background(engine, LONG, return_logprob=True)
+    engine.wait_running(1)
+    assert engine.post("pause_generation", {"mode": "abort"}).json() == PAUSED
+    out = job.join()
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"] == "Aborted"
+    assert 0 < len(out["output_ids"]) < 500 and len(meta["output_token_logprobs"]) == len(out["output_ids"])
+    assert engine.get("flush_cache").status_code == 200
+    assert engine.post("continue_generation").json() == CONTINUED
+    bad = engine.post("pause_generation", {"mode": "bogus"})
+    assert bad.status_code == 400 and bad.json()["object"] == "error" and "in_place" in bad.json()["message"]
+
+
+# ---------------------------------------------------------------------- abort
+
+
+def test_abort_needs_the_exact_rid_or_abort_all(engine: Engine) -> None:
+    rids = [f"{engine.kind}-abort-{i}" for i in range(2)]
+    jobs = [Background(engine, LONG, rid=rid, return_logprob=True) for rid in rids]
+    engine.wait_running(2)
+    assert engine.post("pause_generation", {"mode": "in_place"}).status_code == 200
+    for body in ({"rid": f"{engine.kind}-abort-"}, {"rid": rids[0]}):  # a prefix is ignored
+        reply = engine.post("abort_request", body)
+        assert reply.status_code == 200 and reply.content == b""
+    assert engine.post("continue_generation").status_code == 200
+    first = jobs[0].join()
+    assert first["meta_info"]["finish_reason"]["type"] == "abort" and first["meta_info"]["id"] == rids[0]
+    assert 0 < len(first["output_ids"]) < 500
+    assert jobs[1].result is None  # the prefix did not reach the other one: still running
+    reply = engine.post("abort_request", {"abort_all": True})
+    assert reply.status_code == 200 and reply.content == b""
+    second = jobs[1].join()["meta_info"]
+    assert second["finish_reason"]["type"] == "abort" and second["completion_tokens"] < 500
+    bad = engine.post("abort_request", {"rid": 5})
+    assert bad.status_code == 400 and bad.json()["object"] == "error"
+
+
+def test_client_aborts_a_prefix_by_its_exact_rids(engine: Engine) -> None:
+    client = FleetClient([engine.url])
+
+    async def scenario() -> list[dict[str, Any]]:
+        tasks = [
+            asyncio.create_task(client.generate(input_ids=PROMPT, sampling_params=LONG, rid=f"cli-{i}"))
+            for i in range(2)
+        ]
+        await asyncio.to_thread(engine.wait_running, 2)
+        assert sorted(client.rids) == ["cli-0", "cli-1"]
+        await client.abort("cli-")
+        results = await asyncio.gather(*tasks)
+        await client.close()
+        return results
+
+    for out in run(scenario):
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 500
+    assert client.rids == {}
+
+
+# ---------------------------------------------------------------------- information
+
+
+def test_model_info_and_weight_version_endpoints(engine: Engine) -> None:
+    info = engine.get("get_model_info").json()
+    assert info["model_path"] == str(engine.model) and info["tokenizer_path"] == str(engine.model)
+    assert info["is_generation"] is True and info["model_type"] == "qwen3_moe"
+    assert info["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert engine.get("get_weight_version").status_code == 404  # gone in 0.5.23: get_model_info has it
+    reply = engine.post("update_weight_version", {"new_version": "v-info"})
+    assert reply.json() == {
+        "success": True,
+        "message": "Weight version updated to v-info",
+        "new_version": "v-info",
+    }
+    assert engine.get("model_info").json()["weight_version"] == "v-info"
+    assert engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 1})["meta_info"]["weight_version"] == "v-info"
+
+
+# ---------------------------------------------------------------------- weight-update sessions
+
+
+def test_tensor_and_distributed_updates_need_a_session(engine: Engine) -> None:
+    # Refused before the payload is read (a bad payload inside a session kills real SGLang).
+    payload = base64.b64encode(b"not read outside a session").decode()
+    tensor = engine.post("update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    assert tensor.status_code == 400
+    assert tensor.json() == {
+        "success": False,
+        "message": OUTSIDE_SESSION.format("update_weights_from_tensor"),
+    }
+    body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}
+    dist = engine.post("update_weights_from_distributed", body)
+    assert dist.status_code == 400
+    assert dist.json() == {
+        "success": False,
+        "message": OUTSIDE_SESSION.format("update_weights_from_distributed"),
+    }
+
+
+def test_session_begin_end_rules(engine: Engine) -> None:
+    end = engine.post("end_weight_update")
+    assert (
+        end.status_code == 400
+        and end.json()["success"] is False
+        and "no weight-update session" in end.json()["message"]
+    )
+    assert engine.post("begin_weight_update").json() == {"success": True, "message": "Success"}
+    again = engine.post("begin_weight_update", {"selector": "all"})
+    assert again.status_code == 400 and "already open" in again.json()["message"]
+    assert engine.post("end_weight_update").json() == {"success": True, "message": "Success"}
+    assert engine.post("end_weight_update").status_code == 400
+
+
+def test_update_weights_from_disk_in_a_session(engine: Engine) -> None:
+    params = {**GREEDY, "max_new_tokens": 8}
+    original = engine.generate(PROMPT, params, return_logprob=True)
+    assert engine.post("begin_weight_update").status_code == 200
+    reply = engine.post(
+        "update_weights_from_disk", {"model_path": str(engine.other), "weight_version": "disk-1"}
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["success"] is True and body["num_paused_requests"] == 0
+    assert body["message"].startswith("Succeeded to update model weights") and "disk-1" in body["message"]
+    assert engine.post("end_weight_update").status_code == 200
+    info = engine.get("get_model_info").json()
+    assert info["model_path"] == str(engine.other) and info["weight_version"] == "disk-1"
+    changed = engine.generate(PROMPT, params, return_logprob=True)
+    lp = [t[0] for t in changed["meta_info"]["output_token_logprobs"]]
+    assert lp != [t[0] for t in original["meta_info"]["output_token_logprobs"]]
+    # Outside a session disk loads are allowed; back to the original weights, same greedy answer.
+    assert engine.post("update_weights_from_disk", {"model_path": str(engine.model)}).status_code == 200
+    assert engine.generate(PROMPT, params)["output_ids"] == original["output_ids"]
+
+
+def test_update_weights_from_disk_flush_and_errors(engine: Engine) -> None:
+    job = Background(engine, LONG)
+    engine.wait_running(1)
+    assert engine.post("pause_generation", {"mode": "in_place"}).status_code == 200
+    path = str(engine.model)  # the weights it already has: nothing changes for the running request
+    refused = engine.post("update_weights_from_disk", {"model_path": path})
+    assert refused.status_code == 400
+    assert refused.json()["success"] is False and refused.json()["message"].startswith(NOT_FLUSHED)
+    assert refused.json()["num_paused_requests"] == 0
+    kept = engine.post("update_weights_from_disk", {"model_path": path, "flush_cache": False})
+    assert kept.status_code == 200 and kept.json()["success"] is True
+    assert engine.post("continue_generation").status_code == 200
+    assert job.join()["meta_info"]["finish_reason"]["type"] == "length"
+    missing = engine.post("update_weights_from_disk", {})
+    assert (
+        missing.status_code == 400
+        and missing.json()["object"] == "error"
+        and "model_path" in missing.json()["message"]
+    )
+    bad = engine.post("update_weights_from_disk", {"model_path": str(engine.model / "nonexistent")})
+    assert (
+        bad.status_code == 400 and bad.json()["success"] is False and bad.json()["num_paused_requests"] == 0
+    )
+    assert engine.get("get_model_info").json()["model_path"] == path
+
+
+# ---------------------------------------------------------------------- the client's parsing
+
+
+def test_client_parses_sglang_reply_shapes(engine: Engine) -> None:
+    client = FleetClient([engine.url])
+
+    async def scenario() -> None:
+        [flushed] = await client.control("flush_cache")
+        assert isinstance(flushed, str) and flushed.startswith(FLUSHED_PREFIX)  # plain text
+        assert await client.control("abort_request", {"abort_all": True}) == [None]  # empty body
+        assert await client.control("pause_generation", {"mode": "retract"}) == [PAUSED]
+        assert await client.control("continue_generation") == [CONTINUED]
+        for endpoint, payload, needle in [
+            ("end_weight_update", {}, "HTTP 400: no weight-update session is open"),
+            ("update_weights_from_disk", {}, "model_path"),
+            ("update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "begin_weight_update()"),
+        ]:
+            with pytest.raises(SlimError) as info:
+                await client.control(endpoint, payload)
+            assert needle in str(info.value) and "\n" not in str(info.value)
+        with pytest.raises(SlimError, match="HTTP 404: Not Found"):
+            await client.query("get_weight_version")
+        await client.close()
+
+    run(scenario)

@@ -40,7 +40,9 @@ def start_engine(kind: str, model: Path, log_dir: Path, index: int = 0, *overrid
 
 
 @contextlib.contextmanager
-def running_engines(kind: str, model: Path, log_dir: Path, count: int = 1, *overrides: str) -> Iterator[list[str]]:
+def running_engines(
+    kind: str, model: Path, log_dir: Path, count: int = 1, *overrides: str
+) -> Iterator[list[str]]:
     servers: list[ServerProcess] = []
     try:
         for index in range(count):

@@ -25,6 +25,7 @@ import io
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any
@@ -124,10 +125,20 @@ def _has_cpu_tensor(obj: Any) -> bool:
     return False
 
 
-def tensor_update_body(
-    named: Sequence[tuple[str, torch.Tensor]], tp_size: int, version: str
-) -> dict[str, Any]:
-    """The `/update_weights_from_tensor` body for an engine with `tp_size` ranks.
+@dataclass(frozen=True, slots=True)
+class TensorUpdate:
+    """An `/update_weights_from_tensor` body and the buffer its handles point to.
+
+    Keep it alive until every engine has answered: the shared segment is freed with the last
+    reference, and an engine that maps it after that fails inside SGLang's scheduler (fatal).
+    """
+
+    body: dict[str, Any]
+    buffer: torch.Tensor
+
+
+def tensor_update(named: Sequence[tuple[str, torch.Tensor]], tp_size: int, version: str) -> TensorUpdate:
+    """The update for an engine with `tp_size` ranks.
 
     Every TP rank reads its own entry (SGLang: `serialized_named_tensors[tp_rank]`) and loads the
     full HF tensors through its weight loaders, which take the rank's shard. One pickle serves all
@@ -139,12 +150,13 @@ def tensor_update_body(
         entries = [serialize(bucket) for _ in range(tp_size)]
     else:
         entries = [serialize(bucket)] * tp_size
-    return {
+    body = {
         "serialized_named_tensors": entries,
         "load_format": "flattened_bucket",
         "flush_cache": False,
         "weight_version": version,
     }
+    return TensorUpdate(body, bucket["flattened_tensor"])
 
 
 # --------------------------------------------------------------------------- broadcast group

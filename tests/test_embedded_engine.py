@@ -191,7 +191,8 @@ def test_stop_token_ids_and_trim(engine):
     k = free.index(stop)
     trimmed = engine.generate(_greedy_req(prompt, 12, stop_token_ids=(stop,)))
     assert trimmed.finish_reason == {"type": "stop", "matched": stop}
-    assert trimmed.generated_ids == free[: k + 1] and trimmed.output_ids == free[:k]
+    assert trimmed.generated_ids == free[: k + 1] and trimmed.output_ids == free[: k + 1]  # SGLang keeps it
+    assert trimmed.text == engine.tokenizer.decode(free[:k])  # only the text drops the stop token
     assert len(trimmed.output_token_logprobs) == k + 1  # logprobs cover every sampled token (SGLang)
     kept = engine.generate(_greedy_req(prompt, 12, stop_token_ids=(stop,), no_stop_trim=True))
     assert kept.output_ids == free[: k + 1]

@@ -195,7 +195,8 @@ def test_control_calls_reach_every_engine(fleet: TrackedFleet) -> None:
         client, client.control("update_weight_version", {"new_version": "v7", "abort_all_requests": False})
     )
     assert len(answers) == 2 and all(a["success"] for a in answers)
-    assert run(client, client.query("get_weight_version")) == [{"weight_version": "v7"}] * 2
+    infos = run(client, client.query("get_model_info"))  # SGLang 0.5.23 has no /get_weight_version
+    assert [info["weight_version"] for info in infos] == ["v7"] * 2
     routed = run(client, client.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1}))
     assert routed["meta_info"]["weight_version"] == "v7"
 
@@ -214,7 +215,8 @@ def test_control_calls_reach_every_engine(fleet: TrackedFleet) -> None:
     assert response["meta_info"]["finish_reason"]["type"] == "length"
     assert all(requests.get(f"{u}/ready", timeout=5).status_code == 200 for u in urls)
 
-    # abort: one long request per engine (client-side routing spreads them), aborted by rid prefix.
+    # abort: one long request per engine (client-side routing spreads them), aborted by rid prefix:
+    # the client sends each exact rid it has in flight (engines ignore a prefix, as SGLang).
     direct = direct_client(fleet)
 
     async def aborted() -> tuple[list[Any], list[dict[str, Any]]]:
@@ -226,11 +228,13 @@ def test_control_calls_reach_every_engine(fleet: TrackedFleet) -> None:
             for i in range(2)
         ]
         await asyncio.to_thread(wait_for, lambda: all(load(u) == 1 for u in urls), 30, "both engines busy")
-        results = await direct.control("abort_request", {"rid": "stop-me-"})
-        return results, await asyncio.gather(*tasks)
+        ignored = await direct.control("abort_request", {"rid": "stop-me-"})
+        await asyncio.sleep(0.2)
+        assert ignored == [None, None] and not any(t.done() for t in tasks)  # empty bodies, nothing hit
+        await direct.abort("stop-me-")
+        return ignored, await asyncio.gather(*tasks)
 
-    results, responses = run(direct, aborted())
-    assert [r["message"] for r in results] == ["aborted 1 request(s)"] * 2
+    _, responses = run(direct, aborted())
     for response in responses:
         assert response["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(response["output_ids"]) < 400  # partial output comes back with the abort

@@ -288,7 +288,7 @@ class EmbeddedServer:
         if key and self._is_control(request.path):
             header = request.headers.get("Authorization", "")
             if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
-                raise HttpError(401, "Unauthorized: missing or invalid API key")
+                return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's body
         return await handler(request)
 
     def _engine(self) -> Engine:

@@ -389,10 +389,12 @@ def test_tied_embeddings_stay_tied(tiny_model):
 
 
 def test_tensor_payloads_round_trip_and_refuse_other_globals():
+    """What the trainer sends (`weight_sync.wire`) decodes in the engine; nothing else does."""
     import base64
     import pickle
 
     from slimrl.rollout.embedded import tensor_transport as tt
+    from slimrl.weight_sync import wire
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     named = [
@@ -400,29 +402,22 @@ def test_tensor_payloads_round_trip_and_refuse_other_globals():
         ("b", torch.ones(3, dtype=torch.bfloat16)),
         ("p", torch.nn.Parameter(base.clone())),
     ]
-    for load_format, (payload, files) in (
-        (None, tt.serialize_named_tensors(named)),
-        ("flattened_bucket", tt.serialize_flattened_bucket(named)),
-    ):
-        assert all(path.parent == tt.SHARED_DIR for path in files.paths)
+    update = wire.tensor_update(named, 2, "v")
+    entries = update.body["serialized_named_tensors"]
+    assert len(entries) == 2  # one per TP rank
+    cases = ((None, wire.serialize(named), named), ("flattened_bucket", entries[1], wire.aligned(named)))
+    for load_format, payload, expected in cases:
         decoded = tt.decode_update_payload(payload, load_format)
-        files.release()  # the decoded tensors map private copies: they survive the unlink
-        assert not any(path.exists() for path in files.paths)
-        assert [n for n, _ in decoded] == ["a", "b", "p"]
-        for (_, got), (_, want) in zip(decoded, named, strict=True):
+        assert [n for n, _ in decoded] == [n for n, _ in expected]
+        for (_, got), (_, want) in zip(decoded, expected, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want.detach())
-
-    class Forged:  # a payload naming a file outside the shared directory
-        def __reduce__(self):
-            return (tt.rebuild_shared_file, ("../../etc/passwd", torch.uint8, torch.Size([4])))
-
-    with pytest.raises(ValueError, match="not one of ours"):
-        tt.deserialize(base64.b64encode(pickle.dumps(Forged())).decode())
-    flat = tt.pack_flat_buffer([t.detach() for _, t in named])
-    split = tt.split_flat_buffer(
-        flat, ["a", "b", "p"], [t.dtype for _, t in named], [t.shape for _, t in named]
-    )
-    assert all(torch.equal(got, want.detach()) for (_, got), (_, want) in zip(split, named, strict=True))
+    ordered = wire.aligned(named)  # widest dtype first, as the trainer sends a bucket
+    dtypes, shapes = [t.dtype for _, t in ordered], [t.shape for _, t in ordered]
+    flat = wire.pack_for_broadcast([t.detach() for _, t in ordered], torch.device("cpu"))
+    split = tt.split_flat_buffer(flat, [n for n, _ in ordered], dtypes, shapes)
+    assert all(torch.equal(got, want.detach()) for (_, got), (_, want) in zip(split, ordered, strict=True))
+    with pytest.raises(ValueError, match="unaligned"):  # SGLang's receive layout refuses it too
+        tt.flattened_layout([torch.bfloat16, torch.float32], [[1], [1]])
 
     class Evil:
         def __reduce__(self):

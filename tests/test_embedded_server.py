@@ -24,9 +24,10 @@ import psutil
 import pytest
 import requests
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
-from slimrl.rollout.embedded import tensor_transport
+from slimrl.weight_sync import wire
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow
@@ -329,32 +330,26 @@ def test_update_weights_from_disk(server, refs):
 
 def test_update_weights_from_tensor_through_shared_memory(server, refs):
     other = load_file(str(server.other / "model.safetensors"))
-    payload, files = tensor_transport.serialize_flattened_bucket(sorted(other.items()))
-    body = {
-        "serialized_named_tensors": [payload],
-        "load_format": "flattened_bucket",
-        "flush_cache": False,
-        "weight_version": "5",
-    }
+    update = wire.tensor_update(sorted(other.items()), 1, "5")
+    payload = update.body["serialized_named_tensors"][0]
     assert len(payload) < 100_000  # names and shared-memory handles only: no weight bytes over HTTP
     assert server.post("/begin_weight_update", {}).status_code == 200  # SGLang 0.5.23 needs a session
-    response = server.post("/update_weights_from_tensor", body)
+    response = server.post("/update_weights_from_tensor", update.body)
     assert response.status_code == 200, response.text
-    files.release()
+    del update
     assert _out(server) == _greedy(refs["seed1"], PROMPT, 8)
     assert server.get("/get_model_info", auth=False).json()["weight_version"] == "5"
 
     base = load_file(str(server.model / "model.safetensors"))
-    bad, _ = tensor_transport.serialize_named_tensors(
-        [("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(1))]
-    )
+    bad = wire.serialize([("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(1))])
     response = server.post(
         "/update_weights_from_tensor", {"serialized_named_tensors": [bad], "load_format": None}
     )
     assert response.status_code == 400 and "experts.9.up_proj" in response.json()["message"]
-    restore, files = tensor_transport.serialize_named_tensors(base.items())
-    response = server.post("/update_weights_from_tensor", {"serialized_named_tensors": [restore]})
-    files.release()
+    restore = [(name, tensor) for name, tensor in base.items()]  # alive until the engine answered
+    response = server.post(
+        "/update_weights_from_tensor", {"serialized_named_tensors": [wire.serialize(restore)]}
+    )
     assert response.status_code == 200
     assert server.post("/end_weight_update", {}).status_code == 200
     assert _out(server) == _greedy(refs["seed0"], PROMPT, 8)
@@ -371,7 +366,7 @@ def test_weights_over_a_gloo_group_with_the_test_as_rank_0(server, refs):
         "backend": "gloo",
     }
     thread, box = _in_background(lambda: server.post("/init_weights_update_group", init))
-    group = tensor_transport.init_weight_update_group("127.0.0.1", port, 0, 2, "slimrl-test", timeout_s=60)
+    group = wire.init_broadcast_group("127.0.0.1", port, 0, 2, "slimrl-test", "gloo", 60)
     thread.join(60)
     assert box["result"].status_code == 200, box["result"].text
 
@@ -386,7 +381,7 @@ def test_weights_over_a_gloo_group_with_the_test_as_rank_0(server, refs):
     assert server.post("/begin_weight_update", {}).status_code == 200  # SGLang 0.5.23 needs a session
     thread, box = _in_background(lambda: server.post("/update_weights_from_distributed", meta))
     for _, tensor in other:
-        group.broadcast(tensor.clone(), src=0)
+        dist.broadcast(tensor.clone(), group=group, group_src=0)
     thread.join(60)
     assert box["result"].status_code == 200, box["result"].text
     assert _out(server) == _greedy(refs["seed1"], PROMPT, 8)
@@ -394,14 +389,16 @@ def test_weights_over_a_gloo_group_with_the_test_as_rank_0(server, refs):
     base = sorted(load_file(str(server.model / "model.safetensors")).items())
     flat_meta = {**meta, "load_format": "flattened_bucket", "weight_version": "7"}
     thread, box = _in_background(lambda: server.post("/update_weights_from_distributed", flat_meta))
-    group.broadcast(tensor_transport.pack_flat_buffer([t for _, t in base]), src=0)
+    dist.broadcast(
+        wire.pack_for_broadcast([t for _, t in base], torch.device("cpu")), group=group, group_src=0
+    )
     thread.join(60)
     assert box["result"].status_code == 200, box["result"].text
     assert server.post("/end_weight_update", {}).status_code == 200
     assert _out(server) == _greedy(refs["seed0"], PROMPT, 8)
     assert server.post("/destroy_weights_update_group", {"group_name": "slimrl-test"}).json()["success"]
     assert server.post("/destroy_weights_update_group", {"group_name": "slimrl-test"}).status_code == 400
-    group.destroy()
+    dist.destroy_process_group(group)
 
 
 def test_api_key_guards_control_endpoints(server):

@@ -374,6 +374,7 @@ def test_servers_die_with_a_killed_driver() -> None:
 
 def test_sglang_command_builder() -> None:
     config = SlimConfig()
+    config.cluster.device = "cuda"  # the GPU command line (a CPU one has no GPU ids)
     config.rollout.engine = "sglang"
     config.rollout.gpus_per_engine = 2
     config.rollout.api_key = "k"

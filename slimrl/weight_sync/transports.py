@@ -73,12 +73,6 @@ def make_transport(name: str, target: SyncTarget) -> WeightTransport:
     return TRANSPORTS[name](target)
 
 
-def aligned(bucket: NamedTensors) -> NamedTensors:
-    """Widest dtypes first: packed back to back, every tensor then starts at a multiple of its
-    element size, which SGLang's receive buffer requires."""
-    return sorted(bucket, key=lambda item: -item[1].element_size())
-
-
 @register
 class TensorTransport(WeightTransport):
     """Colocated: tensors by reference (shared memory on CPU, CUDA IPC on GPUs)."""
@@ -144,7 +138,7 @@ class DistributedTransport(WeightTransport):
         target = self.target
         if self.group is None:
             self._open(pool)
-        bucket = aligned(bucket)
+        bucket = wire.aligned(bucket)
         body = {
             "names": [n for n, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],

@@ -38,6 +38,13 @@ import torch.multiprocessing.reductions
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
+def aligned(named: Sequence[tuple[str, torch.Tensor]]) -> NamedTensors:
+    """Widest dtypes first: packed back to back, every tensor then starts at a multiple of its
+    element size, which SGLang needs to view the bytes as the tensor (and its receive buffer
+    for a broadcast refuses otherwise)."""
+    return sorted(named, key=lambda item: -item[1].element_size())
+
+
 def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """SGLang's `FlattenedTensorBucket` fields: tensors back to back as bytes, and their metadata."""
     flats, metadata, offset = [], [], 0
@@ -145,7 +152,7 @@ def tensor_update(named: Sequence[tuple[str, torch.Tensor]], tp_size: int, versi
     ranks on CPU (shared memory is mapped by name); on GPUs each rank needs its own CUDA IPC
     handles for refcounting, so each entry is pickled separately.
     """
-    bucket = flattened_bucket(named)
+    bucket = flattened_bucket(aligned(named))
     if bucket["flattened_tensor"].is_cuda:
         entries = [serialize(bucket) for _ in range(tp_size)]
     else:

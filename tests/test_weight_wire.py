@@ -1,0 +1,50 @@
+"""Our weight-update payloads, decoded by SGLang 0.5.23's own code (the referee), in-process."""
+
+from __future__ import annotations
+
+import torch
+
+from slimrl.weight_sync import wire
+
+
+def test_sglang_deserializer_accepts_our_tensor_payload_on_every_tp_rank() -> None:
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    named = [
+        ("model.embed_tokens.weight", torch.randn(7, 5)),
+        ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16)),
+        ("lm_head.weight", torch.randn(7, 5, dtype=torch.float64)),
+    ]
+    update = wire.tensor_update(named, 4, "v3")
+    entries = update.body["serialized_named_tensors"]
+    assert len(entries) == 4 and update.body["load_format"] == "flattened_bucket"
+    for entry in entries:  # what each TP rank's `deserialize_own_rank` does
+        data = MultiprocessingSerializer.deserialize(entry)
+        # ... and what `_update_weights_from_flattened_bucket` then does with it
+        metadata = [
+            FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)
+            for m in data["metadata"]
+        ]
+        rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata)
+        got = rebuilt.reconstruct_tensors()
+        assert [n for n, _ in got] == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+        for (_, a), (_, b) in zip(got, wire.aligned(named), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_broadcast_buffer_matches_sglang_receive_layout() -> None:
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named = wire.aligned(
+        [("a", torch.randn(3, dtype=torch.bfloat16)), ("b", torch.randn(2, 3)), ("c", torch.arange(5))]
+    )
+    buffer = wire.pack_for_broadcast([t for _, t in named], torch.device("cpu"))
+    receive = FlattenedTensorBucket.empty(
+        [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named],
+        [list(t.shape) for _, t in named], "cpu",
+    )  # fmt: skip
+    assert receive.get_flattened_tensor().numel() == buffer.numel()
+    receive.get_flattened_tensor().copy_(buffer)  # what the broadcast does
+    for (name, got), (want_name, want) in zip(receive.reconstruct_tensors(), named, strict=True):
+        assert name == want_name and torch.equal(got, want)

@@ -18,6 +18,7 @@ import torch
 
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.metrics import MetricsWriter
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
 from slimrl.orchestration.train_data import split_for_dp
@@ -114,14 +115,14 @@ def oldest_weight_version(groups: list[list[Sample]]) -> int:
 
 class RLRun:
     def __init__(
-        self, config: SlimConfig, run_dir: Path, trainers: TrainerGroup, fleet: Fleet, offload: bool
+        self, config: SlimConfig, run_dir: Path, trainers: TrainerGroup, fleet: Fleet, handoff: MemoryHandoff
     ) -> None:
-        self.config, self.run_dir, self.trainers, self.fleet, self.offload = (
+        self.config, self.run_dir, self.trainers, self.fleet, self.handoff = (
             config,
             run_dir,
             trainers,
             fleet,
-            offload,
+            handoff,
         )
         self.transport = weight_transport(config)
         self.ckpt_root = (
@@ -131,9 +132,13 @@ class RLRun:
     # ------------------------------------------------------------------ pieces
     def sync_weights(self, version: int) -> float:
         start = time.perf_counter()
-        self.fleet.control("pause_generation", {"mode": "in_place"})
+        # Retract, not in place: requests in flight (async runs) give back their KV cache and are
+        # prefilled again with the new weights, so the prefix cache can be flushed after the update.
+        self.fleet.control("pause_generation", {"mode": "retract"})
         sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
+        self.handoff.before_push()
         self.trainers.run("push_weights", None, self.fleet.urls, self.transport, str(version), sync_dir)
+        self.handoff.after_push()
         self.fleet.control("continue_generation")
         return time.perf_counter() - start
 
@@ -177,18 +182,14 @@ class RLRun:
         try:
             for step in range(start_step, steps):
                 step_start = time.perf_counter()
-                if self.offload:
-                    self.trainers.run("offload")
-                    self.fleet.control("resume_memory_occupation")
+                self.handoff.to_engines()
                 while len(pending) <= ahead and step + len(pending) < steps:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
                 groups, rollout = ray.get(pending.popleft())
                 rollout_seconds = time.perf_counter() - step_start
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
-                if self.offload:
-                    self.fleet.control("release_memory_occupation")
-                    self.trainers.run("onload")
+                self.handoff.to_trainer()
                 train_start = time.perf_counter()
                 train = self.trainers.train_rl(batches)
                 train_seconds = time.perf_counter() - train_start
@@ -255,15 +256,25 @@ def run_rl(
     colocated = config.cluster.colocate
     offload = config.train.offload if config.train.offload is not None else colocated and device == "cuda"
     total_steps = config.train.num_steps * config.train.steps_per_rollout
-    summaries = trainers.setup(total_steps=total_steps)
-    logger.info(
-        "%d training ranks (%d data-parallel), %d parameters", world, trainers.dp_size,
-        sum(s["local_params"] for s in summaries),
-    )  # fmt: skip
     first_slot = 0 if colocated else world
     share = ROLLOUT_SHARE_COLOCATED if colocated else 1.0
-    fleet = Fleet(config, slots, first_slot, run_dir, share)
+    fleet = Fleet(config, slots, first_slot, run_dir, share)  # engines load before the trainer builds
     try:
-        RLRun(config, run_dir, trainers, fleet, offload).run()
+        handoff = MemoryHandoff(
+            fleet, trainers, colocated and engines_release_memory(config, device), offload
+        )
+        handoff.to_trainer()
+        summaries = trainers.setup(total_steps=total_steps)
+        logger.info(
+            "%d training ranks (%d data-parallel), %d parameters", world, trainers.dp_size,
+            sum(s["local_params"] for s in summaries),
+        )  # fmt: skip
+        RLRun(config, run_dir, trainers, fleet, handoff).run()
     finally:
         fleet.shutdown()
+
+
+def engines_release_memory(config: SlimConfig, device: str) -> bool:
+    """Whether the engines can hand their memory over: SGLang's release needs CUDA (on a CPU
+    server it crashes the scheduler); the embedded engine always can (it drops its KV cache)."""
+    return config.rollout.engine == "embedded" or device == "cuda"

@@ -276,10 +276,11 @@ class MegatronActor:
         return self.steps_done
 
     # ---------------------------------------------------------------- memory
-    def offload(self) -> int:
-        """Give the device back to the rollout engines (colocated runs)."""
+    def offload(self, keep_params: bool = False) -> int:
+        """Give the device back to the rollout engines (colocated runs); with `keep_params` the
+        parameters stay for the weight sync."""
         assert self.offloader is not None
-        return self.offloader.offload()
+        return self.offloader.offload(keep_params)
 
     def onload(self) -> None:
         assert self.offloader is not None

@@ -13,6 +13,15 @@ from typing import Any
 import torch
 
 
+def _param_storages(model: list[Any]) -> set[int]:
+    """Data pointers of the storages behind the model's parameters (the DDP param buffers)."""
+    return {
+        p.untyped_storage().data_ptr()
+        for chunk in model
+        for p in getattr(chunk, "module", chunk).parameters()
+    }
+
+
 def _storages(model: list[Any], optimizer: Any) -> list[torch.UntypedStorage]:
     tensors: list[torch.Tensor] = []
     for chunk in model:
@@ -49,13 +58,16 @@ class Offloader:
     def offloaded(self) -> bool:
         return bool(self.saved)
 
-    def offload(self) -> int:
-        """Returns the bytes freed on the device."""
-        if self.saved:
-            return 0
+    def offload(self, keep_params: bool = False) -> int:
+        """Returns the bytes freed on the device. `keep_params` leaves the parameters in place
+        (the weight sync reads them after the engines got their memory back); a later call
+        without it moves them too."""
         pin = torch.cuda.is_available()
         freed = 0
-        for storage in _storages(self.model, self.optimizer):
+        kept = _param_storages(self.model) if keep_params else set()
+        for storage in _storages(self.model, self.optimizer):  # already offloaded ones are empty
+            if storage.data_ptr() in kept:
+                continue
             host = _bytes_of(storage).to("cpu", copy=True)
             self.saved.append((storage, host.pin_memory() if pin else host))
             freed += storage.nbytes()

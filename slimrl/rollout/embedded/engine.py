@@ -500,6 +500,8 @@ class Engine:
         return chosen
 
     def _load(self, load: Callable[[], int], weight_version: str | None) -> int:
+        if "weights" in self._released:  # with SGLang's memory saver the bytes would land nowhere
+            raise EngineBusy("weights are released; resume_memory_occupation with tags [weights] first")
         count = load()
         refresh = getattr(self.rescorer, "refresh", None)
         if refresh is not None:  # keep the rescorer's copy of the weights in step

@@ -222,7 +222,7 @@ class EmbeddedServer:
         )
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._access, self._errors, self._auth], client_max_size=1 << 30)
         routes: list[tuple[tuple[str, ...], str, Handler]] = [
             (("POST", "PUT"), "/generate", self.generate),
             (("GET",), "/health", self.health),
@@ -281,6 +281,18 @@ class EmbeddedServer:
             log.exception("unhandled error on %s", request.path)
             status, message = 500, f"{type(exc).__name__}: {exc}"
         return web.json_response(_error_body(status, message, request.path, validation), status=status)
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """One line per control call, in the shape of SGLang's access log (uvicorn), so a test
+        reads the order of calls an engine received from either engine's log the same way."""
+        response = await handler(request)
+        if self._is_control(request.path):
+            peer = request.remote or "-"
+            print(
+                f'INFO:     {peer} - "{request.method} {request.path} HTTP/1.1" {response.status}', flush=True
+            )
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -1,0 +1,101 @@
+"""FP8 rollout: what an SGLang server serving 128x128 block-FP8 weights is started from and sent.
+
+Why not `--quantization fp8` on the bf16 checkpoint: SGLang then quantises on load
+(`Fp8LinearMethod.process_weights_after_loading` with `is_checkpoint_fp8_serialized=False`), which
+*replaces* `layer.weight` by a new, transposed `Parameter` without the `weight_loader` attribute,
+so a later `load_weights` of a weight update no longer reaches the layer's loader; and the update
+would be bf16 anyway.  Started from a block-FP8 checkpoint instead (`config.json` carrying
+`quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}`), SGLang
+builds `weight` (e4m3) and `weight_scale_inv` (float32, one per block) with the layers' own
+loaders and, on GPUs, post-processes them in place (`layer.weight.data = ...`), so every update
+in that same format goes through the same loaders, between `/begin_weight_update` and
+`/end_weight_update` (which re-runs `process_weights_after_loading`).
+
+`fp8_bucket` turns one bf16 export bucket into that format; `write_fp8_checkpoint` writes the
+start checkpoint once, from the HF checkpoint the run starts from.  Which tensors are quantised is
+`slimrl.megatron_bridge.fp8.should_quantize` (decoder-layer linear weights; norms, embeddings,
+`lm_head`, router gates and biases stay in their dtype, as in DeepSeek-V3 / Qwen3 FP8 checkpoints,
+and as SGLang builds those modules without a quant method).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from slimrl.megatron_bridge.fp8 import (
+    BLOCK,
+    fp8_quantization_config,
+    quantize_block_fp8,
+    scale_name,
+    should_quantize,
+)
+from slimrl.megatron_bridge.hf_io import (
+    INDEX_NAME,
+    HFCheckpointReader,
+    ShardWriter,
+    finalize_index,
+)
+
+__all__ = ["fp8_bucket", "fp8_hf_config", "write_fp8_checkpoint"]
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def fp8_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]], block: int = BLOCK) -> NamedTensors:
+    """One export bucket as an FP8 server loads it: each quantisable ``<p>.weight`` becomes the pair
+    ``(<p>.weight, e4m3)``, ``(<p>.weight_scale_inv, float32 [ceil(rows/block), ceil(cols/block)])``;
+    other tensors pass through unchanged (same objects, same order)."""
+    out: NamedTensors = []
+    for name, tensor in named_tensors:
+        if not should_quantize(name, tensor):
+            out.append((name, tensor))
+            continue
+        try:
+            q, scale_inv = quantize_block_fp8(tensor, block)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+        out += [(name, q), (scale_name(name), scale_inv)]
+    return out
+
+
+def fp8_hf_config(hf_config: dict, block: int = BLOCK) -> dict:
+    """``config.json`` of the FP8 checkpoint: the bf16 one plus a block-FP8 ``quantization_config``
+    (SGLang reads it and builds `Fp8LinearMethod` / `Fp8MoEMethod` with ``weight_block_size``)."""
+    if "quantization_config" in hf_config:
+        raise ValueError(f"checkpoint is already quantised: {hf_config['quantization_config']}")
+    quant = fp8_quantization_config()
+    quant["weight_block_size"] = [block, block]
+    return {**hf_config, "quantization_config": quant}
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: int = BLOCK) -> Path:
+    """Write the block-FP8 copy of the HF checkpoint ``src`` into ``dst`` (created; must be empty
+    or absent) and return ``dst``.  Non-weight files (tokenizer, generation config) are copied;
+    tensors are streamed shard by shard, so memory holds about one tensor at a time."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    _copy_side_files(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(fp8_hf_config(config, block), indent=2) + "\n")
+    reader = HFCheckpointReader(src)
+    writer = ShardWriter(dst)
+    for name in reader.names:
+        for out_name, tensor in fp8_bucket([(name, reader.get(name))], block):
+            writer.add(out_name, tensor)
+    writer.flush()
+    finalize_index(dst, writer.files, writer.bytes_written)
+    return dst
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Everything but the weights and config.json: SGLang needs the tokenizer next to the model."""
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in (INDEX_NAME, "config.json"):
+            shutil.copy2(path, dst / path.name)

@@ -21,6 +21,19 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
+SGLANG_TIER_MODULES = {"test_sglang_real", "test_weight_wire", "test_sglang_parser", "test_rl_sglang"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the real-SGLang tier (`pytest -m sglang` runs it alone): its modules, and every test
+    parametrised with the `sglang` engine."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SGLANG_TIER_MODULES or (callspec and "sglang" in callspec.params.values()):
+            item.add_marker(pytest.mark.sglang)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("assets")

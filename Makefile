@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint bench clean setup
+.PHONY: demo test test-sglang lint bench clean setup
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests -q
+
+# The real-SGLang tier alone (SGLang 0.5.23's server and code as the referee).
+test-sglang: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m sglang
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: SlimError) -> str:
+    """A SlimError raised inside a Ray actor arrives wrapped (its text is the remote traceback):
+    report the original message only."""
+    cause = getattr(exc, "cause", None)
+    return " ".join(str(cause if isinstance(cause, SlimError) else exc).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"]:  # the converter relaunches itself under torchrun
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.handler(args)
     except SlimError as exc:
-        print(f"slimrl: error: {exc}", file=sys.stderr)
+        print(f"slimrl: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("slimrl: interrupted", file=sys.stderr)

@@ -189,3 +189,32 @@ def test_start_checkpoint_parsed_and_read_by_sglang(tiny_model, tmp_path: Path) 
 def test_start_checkpoint_refuses_quantised_source() -> None:
     with pytest.raises(ValueError, match="already quantised"):
         fp8_hf_config({"quantization_config": {"quant_method": "fp8"}})
+
+
+def test_fp8_fleet_starts_from_one_block_fp8_copy_per_run(tiny_model, tmp_path) -> None:
+    from slimrl.config.schema import SlimConfig
+    from slimrl.orchestration.rl_loop import serving_checkpoint
+
+    config = SlimConfig()
+    config.model.hf_checkpoint = str(tiny_model("qwen3_moe"))
+    assert serving_checkpoint(config, tmp_path) == config.model.hf_checkpoint  # bf16 fleet: as is
+    config.rollout.sglang.quantization = "fp8"
+    start = Path(serving_checkpoint(config, tmp_path))
+    assert start == tmp_path / "fp8_start" and not (tmp_path / "fp8_start.partial").exists()
+    quant = json.loads((start / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]
+    written = (start / "config.json").stat().st_mtime_ns
+    assert serving_checkpoint(config, tmp_path) == str(start)  # a restarted engine reuses it
+    assert (start / "config.json").stat().st_mtime_ns == written
+
+
+def test_fp8_rollout_on_cpu_is_refused_at_load(tiny_model) -> None:
+    from slimrl.config import load_config
+    from slimrl.errors import ConfigError
+
+    overrides = [f"model.hf_checkpoint={tiny_model('qwen3_moe')}", "rollout.sglang.quantization=fp8"]
+    for engine in ("embedded", "sglang"):
+        with pytest.raises(
+            ConfigError, match=r"rollout.sglang.quantization=fp8: needs rollout.engine=sglang on GPUs"
+        ):
+            load_config(None, [*overrides, f"rollout.engine={engine}", "cluster.device=cpu"])

@@ -107,9 +107,14 @@ def check_config(config: SlimConfig) -> None:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{key}={value}: must be a positive number of steps, or null for never")
     _check_paths(config)
+    if config.rollout.engine == "sglang":
+        from slimrl.compat.sglang_cpu import check_sglang_version
+
+        check_sglang_version()  # the pinned release, before anything starts
     _check_cluster(config)
     _check_engine_nodes(config)
     _check_weight_sync(config)
+    _check_fp8_rollout(config)
     _check_parallel(config)
     _check_algorithm(config)
 
@@ -161,6 +166,18 @@ def _check_engine_nodes(config: SlimConfig) -> None:
                 "(engines must fit within one node: choose gpus_per_engine and cluster.rollout_gpus so "
                 "they start at a node boundary)"
             )
+
+
+def _check_fp8_rollout(config: SlimConfig) -> None:
+    """FP8 serving needs SGLang on GPUs: a CPU SGLang server refuses FP8 for float32 and needs AMX
+    kernels for bf16, and the embedded engine cannot load e4m3 weights with their scales."""
+    if config.rollout.sglang.quantization != "fp8":
+        return
+    if config.rollout.engine != "sglang" or resolve_device(config) != "cuda":
+        raise ConfigError(
+            f"rollout.sglang.quantization=fp8: needs rollout.engine=sglang on GPUs (got engine "
+            f"{config.rollout.engine} on {resolve_device(config)}); set it to null on CPU"
+        )
 
 
 def _check_weight_sync(config: SlimConfig) -> None:

@@ -9,6 +9,7 @@ updates; the importance-sampling corrections of the trainer handle the mismatch)
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -45,10 +46,11 @@ class Fleet:
         seats = engine_seats(config, slots.layout, "cuda" if slots.use_gpu else "cpu")
         assert not seats or seats[0].slots[0] == first_slot, (seats[0].slots, first_slot)
         remote = ray.remote(EngineActor)
+        model_path = serving_checkpoint(config, run_dir)
         self.engines = []
         for seat in seats:  # on GPUs each sees its node's GPUs (launch_plan.py)
             options = remote.options(**engine_actor_options(slots, seat, share))
-            self.engines.append(options.remote(config, seat.index, log_dir, seat))
+            self.engines.append(options.remote(config, seat.index, log_dir, seat, model_path))
         self.urls: list[str] = ray.get([e.start.remote() for e in self.engines])
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8)
         self.manager = manager.remote(config, self.urls, log_dir)
@@ -84,6 +86,23 @@ class Fleet:
                 ray.get(call, timeout=60)
             except Exception as exc:  # keep stopping the others
                 logger.warning("shutdown: %s", exc)
+
+
+def serving_checkpoint(config: SlimConfig, run_dir: Path) -> str:
+    """The checkpoint the engines start from. An FP8 fleet starts from a block-FP8 copy written
+    once per run (`weight_sync/fp8.py`): quantising a bf16 checkpoint on load would drop the weight
+    loaders that every later update needs."""
+    if config.rollout.sglang.quantization != "fp8":
+        return config.model.hf_checkpoint
+    from slimrl.weight_sync.fp8 import write_fp8_checkpoint
+
+    target = run_dir / "fp8_start"
+    if not target.exists():  # written aside, then renamed: a killed run leaves no half copy
+        partial = run_dir / "fp8_start.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_fp8_checkpoint(config.model.hf_checkpoint, partial)
+        partial.rename(target)
+    return str(target)
 
 
 def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[float]:

@@ -27,8 +27,17 @@ class EngineActor:
     server sees every GPU of the node and is pointed at its own by `--base-gpu-id`.
     """
 
-    def __init__(self, config: SlimConfig, index: int, log_dir: str, seat: EngineSeat | None = None) -> None:
+    def __init__(
+        self,
+        config: SlimConfig,
+        index: int,
+        log_dir: str,
+        seat: EngineSeat | None = None,
+        model_path: str | None = None,
+    ) -> None:
         self.config, self.index, self.log_dir, self.seat = config, index, Path(log_dir), seat
+        self.model_path = model_path or config.model.hf_checkpoint
+        """What the server loads: the HF checkpoint, or its block-FP8 copy for an FP8 fleet."""
         self.server: Any = None
         self.restarts = 0
 
@@ -44,8 +53,7 @@ class EngineActor:
 
         host = "127.0.0.1" if self.config.ray.address is None else _node_ip()
         port = free_port()
-        model = self.config.model.hf_checkpoint
-        cmd, env = server_command(self.config, model, host, port, self.index, self.base_gpu_id())
+        cmd, env = server_command(self.config, self.model_path, host, port, self.index, self.base_gpu_id())
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.server = ServerProcess(
             name=f"engine{self.index}", command=cmd, host=host, port=port, env=env,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.export import export_hf_buckets
 from slimrl.weight_sync.engines import Engine, EngineCalls
+from slimrl.weight_sync.fp8 import fp8_bucket
 from slimrl.weight_sync.transports import SyncTarget, make_transport
 
 if TYPE_CHECKING:
@@ -70,8 +71,9 @@ def push_weights(
             target.calls.begin(pool, target.engines)
         dist.barrier()
         try:
+            fp8 = actor.config.rollout.sglang.quantization == "fp8"  # engines serve block FP8
             for bucket in export_hf_buckets(actor.state.model, actor.arch, actor.layout, bucket_bytes):
-                sender.send(pool, bucket)
+                sender.send(pool, fp8_bucket(bucket) if fp8 else bucket)
                 pushed += sum(t.numel() * t.element_size() for _, t in bucket)
             sender.finish(pool)
         except BaseException:

@@ -26,7 +26,9 @@ class Engines(Protocol):
 
 
 class Trainers(Protocol):
-    def run(self, method: str, per_dp: list[Any] | None = None, *args: Any) -> list[Any]: ...
+    def offload(self, keep_params: bool = False) -> None: ...
+
+    def onload(self) -> None: ...
 
 
 @dataclass
@@ -45,17 +47,17 @@ class MemoryHandoff:
             self.engines.control("release_memory_occupation", {"tags": sorted(self.engines_hold)})
             self.engines_hold.clear()
         if self.offload_trainer and self.trainer_offloaded:
-            self.trainers.run("onload")
+            self.trainers.onload()
             self.trainer_offloaded = False
 
     def before_push(self) -> None:
         if self.offload_trainer:
-            self.trainers.run("offload", None, True)  # everything but the parameters
+            self.trainers.offload(keep_params=True)  # everything but the parameters
         self._resume(WEIGHTS)
 
     def after_push(self) -> None:
         if self.offload_trainer:
-            self.trainers.run("offload")  # now the parameters too
+            self.trainers.offload()  # now the parameters too
             self.trainer_offloaded = True
         self._resume(KV_CACHE)
 

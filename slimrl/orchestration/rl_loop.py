@@ -156,7 +156,7 @@ class RLRun:
         self.fleet.control("pause_generation", {"mode": "retract"})
         sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
         self.handoff.before_push()
-        self.trainers.run("push_weights", None, self.fleet.urls, self.transport, str(version), sync_dir)
+        self.trainers.push_weights(self.fleet.urls, self.transport, version, sync_dir)
         self.handoff.after_push()
         self.fleet.control("continue_generation")
         return time.perf_counter() - start

@@ -91,6 +91,17 @@ class TrainerGroup:
     def load_checkpoint(self, path: Path) -> None:
         self.run("load_checkpoint", None, str(path))
 
+    def offload(self, keep_params: bool = False) -> None:
+        """Move every rank's training state to host memory (`keep_params`: all but the parameters)."""
+        self.run("offload", None, keep_params)
+
+    def onload(self) -> None:
+        self.run("onload")
+
+    def push_weights(self, urls: list[str], transport: str, version: int, sync_dir: str | None) -> None:
+        """Every rank streams its share of the weights to the engines (`trainer/weight_sync.py`)."""
+        self.run("push_weights", None, urls, transport, str(version), sync_dir)
+
     def shutdown(self) -> None:
         import ray
 

@@ -402,8 +402,8 @@ def test_tensor_payloads_round_trip_and_refuse_other_globals():
         ("b", torch.ones(3, dtype=torch.bfloat16)),
         ("p", torch.nn.Parameter(base.clone())),
     ]
-    update = wire.tensor_update(named, 2, "v")
-    entries = update.body["serialized_named_tensors"]
+    update = wire.tensor_update(named, "v")
+    entries = update.body(2)["serialized_named_tensors"]
     assert len(entries) == 2  # one per TP rank
     cases = ((None, wire.serialize(named), named), ("flattened_bucket", entries[1], wire.aligned(named)))
     for load_format, payload, expected in cases:

@@ -330,11 +330,12 @@ def test_update_weights_from_disk(server, refs):
 
 def test_update_weights_from_tensor_through_shared_memory(server, refs):
     other = load_file(str(server.other / "model.safetensors"))
-    update = wire.tensor_update(sorted(other.items()), 1, "5")
-    payload = update.body["serialized_named_tensors"][0]
+    update = wire.tensor_update(sorted(other.items()), "5")
+    body = update.body(1)
+    payload = body["serialized_named_tensors"][0]
     assert len(payload) < 100_000  # names and shared-memory handles only: no weight bytes over HTTP
     assert server.post("/begin_weight_update", {}).status_code == 200  # SGLang 0.5.23 needs a session
-    response = server.post("/update_weights_from_tensor", update.body)
+    response = server.post("/update_weights_from_tensor", body)
     assert response.status_code == 200, response.text
     del update
     assert _out(server) == _greedy(refs["seed1"], PROMPT, 8)

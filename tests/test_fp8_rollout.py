@@ -143,7 +143,8 @@ def test_fp8_bucket_survives_sglang_wire_decode(trainer_weights) -> None:
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
     sent = fp8_bucket(trainer_weights.items())
-    entry = wire.tensor_update(sent, 1, "v1").body["serialized_named_tensors"][0]
+    update = wire.tensor_update(sent, "v1")  # alive until decoded: it holds the shared segment
+    entry = update.body(1)["serialized_named_tensors"][0]
     data = MultiprocessingSerializer.deserialize(entry)
     metadata = [
         FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)

@@ -16,9 +16,10 @@ def test_sglang_deserializer_accepts_our_tensor_payload_on_every_tp_rank() -> No
         ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16)),
         ("lm_head.weight", torch.randn(7, 5, dtype=torch.float64)),
     ]
-    update = wire.tensor_update(named, 4, "v3")
-    entries = update.body["serialized_named_tensors"]
-    assert len(entries) == 4 and update.body["load_format"] == "flattened_bucket"
+    update = wire.tensor_update(named, "v3")
+    body = update.body(4)
+    entries = body["serialized_named_tensors"]
+    assert len(entries) == 4 and body["load_format"] == "flattened_bucket"
     for entry in entries:  # what each TP rank's `deserialize_own_rank` does
         data = MultiprocessingSerializer.deserialize(entry)
         # ... and what `_update_weights_from_flattened_bucket` then does with it

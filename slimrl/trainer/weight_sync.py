@@ -36,7 +36,9 @@ def sync_target(
     address: list[object] = [(node_address(), free_port()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(address, src=0)
     host, port = address[0]  # type: ignore[misc]
-    tp_size = actor.config.rollout.gpus_per_engine
+    # One payload entry per engine rank that reads one (the embedded engine is a single rank).
+    rollout = actor.config.rollout
+    tp_size = rollout.gpus_per_engine if rollout.engine == "sglang" else 1
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

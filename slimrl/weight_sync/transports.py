@@ -81,12 +81,12 @@ class TensorTransport(WeightTransport):
 
     def send(self, pool: ThreadPoolExecutor, bucket: NamedTensors) -> None:
         target = self.target
-        # `updates` holds the shared buffers until every engine has answered (see TensorUpdate).
-        updates = {e.tp_size: wire.tensor_update(bucket, e.tp_size, target.version) for e in target.engines}
+        # `update` holds the shared buffer until every engine has answered (see TensorUpdate).
+        update = wire.tensor_update(bucket, target.version)
         target.calls.each(
             pool,
             target.engines,
-            lambda e: target.calls.post(e.url, "update_weights_from_tensor", updates[e.tp_size].body),
+            lambda e: target.calls.post(e.url, "update_weights_from_tensor", update.body(e.tp_size)),
         )
 
     def finish(self, pool: ThreadPoolExecutor) -> None:

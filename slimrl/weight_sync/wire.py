@@ -45,8 +45,12 @@ def aligned(named: Sequence[tuple[str, torch.Tensor]]) -> NamedTensors:
     return sorted(named, key=lambda item: -item[1].element_size())
 
 
-def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """SGLang's `FlattenedTensorBucket` fields: tensors back to back as bytes, and their metadata."""
+def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]], shared: bool = False) -> dict[str, Any]:
+    """SGLang's `FlattenedTensorBucket` fields: tensors back to back as bytes, and their metadata.
+
+    `shared` packs straight into a CPU shared-memory segment (see `shared_uint8`), so pickling it
+    costs no second copy of the bytes.
+    """
     flats, metadata, offset = [], [], 0
     for name, tensor in named:
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -58,7 +62,10 @@ def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
         )  # fmt: skip
         flats.append(flat)
         offset += flat.numel()
-    buffer = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
+    if shared and offset:
+        buffer = torch.cat(flats, out=shared_uint8(offset))
+    else:
+        buffer = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
     return {"flattened_tensor": buffer, "metadata": metadata}
 
 
@@ -99,6 +106,17 @@ def _start_shm_manager_detached() -> None:
         _shm_manager_started = True
 
 
+def shared_uint8(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor whose storage is a `file_system` shared-memory segment
+    from birth. Pickling a storage that is not shared yet (`_share_filename_cpu_`) copies it into
+    a new segment first: at 0.5 GB that second copy took as long as packing the bucket itself.
+    A storage born shared is pickled as its existing handle, so the bucket is copied once."""
+    _start_shm_manager_detached()
+    with file_system_sharing():
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
 @contextlib.contextmanager
 def file_system_sharing() -> Iterator[None]:
     """torch's `file_system` CPU sharing strategy for the duration (it is process-global)."""
@@ -134,36 +152,42 @@ def _has_cpu_tensor(obj: Any) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class TensorUpdate:
-    """An `/update_weights_from_tensor` body and the buffer its handles point to.
+    """One packed bucket for `/update_weights_from_tensor`, and the bodies that point to it.
 
     Keep it alive until every engine has answered: the shared segment is freed with the last
     reference, and an engine that maps it after that fails inside SGLang's scheduler (fatal).
+    On CPU `buffer` is itself the shared segment the engines map (packed there directly, see
+    `shared_uint8`); on GPUs it is the CUDA buffer whose IPC handles the bodies carry.
     """
 
-    body: dict[str, Any]
-    buffer: torch.Tensor
+    bucket: dict[str, Any]
+    version: str
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.bucket["flattened_tensor"]
+
+    def body(self, tp_size: int) -> dict[str, Any]:
+        """The request for one engine with `tp_size` ranks.
+
+        Every TP rank reads its own entry (SGLang: `serialized_named_tensors[tp_rank]`) and loads
+        the full HF tensors through its weight loaders, which take the rank's shard. Each entry is
+        its own pickle, also on CPU: torch counts one reference to the shared segment per pickle
+        and the rank that maps it gives that reference back, so the segment is unlinked exactly
+        when the last rank is done (one pickle read by several ranks leaks or frees it early).
+        """
+        return {
+            "serialized_named_tensors": [serialize(self.bucket) for _ in range(tp_size)],
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": self.version,
+        }
 
 
-def tensor_update(named: Sequence[tuple[str, torch.Tensor]], tp_size: int, version: str) -> TensorUpdate:
-    """The update for an engine with `tp_size` ranks.
-
-    Every TP rank reads its own entry (SGLang: `serialized_named_tensors[tp_rank]`) and loads the
-    full HF tensors through its weight loaders, which take the rank's shard. One pickle serves all
-    ranks on CPU (shared memory is mapped by name); on GPUs each rank needs its own CUDA IPC
-    handles for refcounting, so each entry is pickled separately.
-    """
-    bucket = flattened_bucket(aligned(named))
-    if bucket["flattened_tensor"].is_cuda:
-        entries = [serialize(bucket) for _ in range(tp_size)]
-    else:
-        entries = [serialize(bucket)] * tp_size
-    body = {
-        "serialized_named_tensors": entries,
-        "load_format": "flattened_bucket",
-        "flush_cache": False,
-        "weight_version": version,
-    }
-    return TensorUpdate(body, bucket["flattened_tensor"])
+def tensor_update(named: Sequence[tuple[str, torch.Tensor]], version: str) -> TensorUpdate:
+    """Pack one bucket once for every engine: on CPU straight into shared memory."""
+    on_cpu = not any(tensor.is_cuda for _, tensor in named)
+    return TensorUpdate(flattened_bucket(aligned(named), shared=on_cpu), version)
 
 
 # --------------------------------------------------------------------------- broadcast group

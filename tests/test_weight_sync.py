@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,12 @@ def test_sync_makes_engines_score_like_the_trainer(tmp_path, engines, transport,
         "algorithm.true_on_policy=true",
         *layout,
     ]
+    before = shm_segments()
     results = run_rank0(tmp_path, args, nproc)
+    # Every bucket's shared segment is unlinked once its last reader is done; an engine may hold
+    # on to the last one it loaded (the trainer, and with it its shm manager, is gone by now).
+    left = shm_segments() - before
+    assert len(left) <= len(urls), f"{len(left)} shared-memory segments left: {sorted(left)[:5]}"
     for url in urls:
         assert results["versions"][url] == "v1"
     diffs = [
@@ -70,6 +76,10 @@ def test_sync_makes_engines_score_like_the_trainer(tmp_path, engines, transport,
     assert results["sync"]["seconds"] > 0
     if transport == "disk":  # only the version the engines read is kept
         assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v1"]
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("torch_*")} if Path("/dev/shm").is_dir() else set()
 
 
 def run_rank0(tmp_path, args, nproc) -> dict:

@@ -99,6 +99,8 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     ("device", lambda launch: "cpu" if launch.on_cpu else None),
     ("dtype", lambda launch: sglang_cpu.CPU_DTYPE if launch.on_cpu else None),
     ("max-total-tokens", lambda launch: sglang_cpu.CPU_MAX_TOTAL_TOKENS if launch.on_cpu else None),
+    # An idle scheduler otherwise spins a whole core: on a CPU host that core is the trainer's.
+    ("sleep-on-idle", lambda launch: launch.on_cpu),
 )
 
 MANAGED_FLAGS: tuple[str, ...] = tuple(name for name, _ in _FLAGS)

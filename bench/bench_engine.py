@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -34,12 +33,6 @@ from slimrl.rollout.servers import ServerProcess
 
 CONCURRENCY = {"embedded": (1, 4, 16, 32), "sglang": (1, 32)}
 """Real SGLang (the referee) is compared with the embedded engine at 1 and 32 concurrent requests."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -85,21 +78,10 @@ async def _http(url: str, prompts: list[list[int]], max_new: int, concurrency: i
 def _start_server(kind: str, model_dir: Path, log_dir: Path) -> ServerProcess:
     """One engine started by slimrl's own launch code (`rollout.engine=<kind>`), as a run does."""
     from slimrl.config import load_config
-    from slimrl.rollout.servers import server_command
+    from slimrl.rollout.servers import start_server
 
     config = load_config(None, [f"model.hf_checkpoint={model_dir}", f"rollout.engine={kind}"])
-    port = _free_port()
-    cmd, env = server_command(config, str(model_dir), "127.0.0.1", port, 0)
-    log = log_dir / f"{kind}.log"
-    server = ServerProcess(kind, cmd, "127.0.0.1", port, env=env, log_path=log)
-    server.start()
-    try:
-        server.wait_healthy(600)
-    except Exception as exc:
-        server.stop()
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        raise SystemExit(f"{kind} did not start: {exc}\n{tail}") from exc
-    return server
+    return start_server(config, str(model_dir), log_dir / f"{kind}.log")
 
 
 def _measure(

@@ -74,22 +74,9 @@ def engine_config(kind: str, model: Path, *overrides: str) -> Any:
 
 def start_server(kind: str, model: Path, log_dir: Path, *overrides: str) -> Any:
     """One engine started exactly as a run starts it (`rollout.engine=<kind>` + `overrides`)."""
-    from slimrl.orchestration.placement import free_port
-    from slimrl.rollout.servers import ServerProcess, server_command
+    from slimrl.rollout.servers import start_server as start
 
-    config = engine_config(kind, model, *overrides)
-    port = free_port()
-    cmd, env = server_command(config, str(model), "127.0.0.1", port, 0)
-    log = log_dir / f"{kind}.log"
-    server = ServerProcess(kind, cmd, "127.0.0.1", port, env=env, log_path=log)
-    server.start()
-    try:
-        server.wait_healthy(600)
-    except Exception as exc:
-        server.stop()
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        raise SystemExit(f"{kind} did not start: {exc}\n{tail}") from exc
-    return server
+    return start(engine_config(kind, model, *overrides), str(model), log_dir / f"{kind}.log")
 
 
 def push_seconds(actor: Any, kind: str, scratch: Path, bucket: int, repeats: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slimrl.config import load_config
-from slimrl.rollout.servers import ServerProcess, server_command
+from slimrl.rollout.servers import ServerProcess, start_server
 from tests.conftest import free_port
 
 ENGINES = ("sglang", "embedded")
@@ -24,19 +24,8 @@ def engine_config(kind: str, model: Path, *overrides: str):
 def start_engine(kind: str, model: Path, log_dir: Path, index: int = 0, *overrides: str) -> ServerProcess:
     """Start one server and wait until it answers; on failure the error carries the log tail."""
     config = engine_config(kind, model, *overrides)
-    port = free_port()
-    cmd, env = server_command(config, str(model), "127.0.0.1", port, index)
-    log = log_dir / f"{kind}{index}-{port}.log"
-    server = ServerProcess(f"{kind}{index}", cmd, "127.0.0.1", port, env=env, log_path=log,
-                           api_key=config.rollout.api_key)  # fmt: skip
-    server.start()
-    try:
-        server.wait_healthy(START_TIMEOUT_S)
-    except Exception as exc:
-        server.stop()
-        tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-        raise AssertionError(f"{exc}\n{tail}") from exc
-    return server
+    log = log_dir / f"{kind}{index}-{free_port()}.log"
+    return start_server(config, str(model), log, index, START_TIMEOUT_S)
 
 
 @contextlib.contextmanager

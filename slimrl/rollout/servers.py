@@ -192,3 +192,24 @@ def server_command(
         on_cpu=on_cpu,
     )  # fmt: skip
     return cmd, sglang_env(config, on_cpu)
+
+
+def start_server(
+    config: SlimConfig, model_path: str, log_path: Path, index: int = 0, timeout: float = 600.0
+) -> ServerProcess:
+    """Engine `index` of `config` on a free local port, started as a run starts it and healthy;
+    if it does not come up it is stopped and the error carries the tail of its log."""
+    from slimrl.orchestration.placement import free_port
+
+    port = free_port()
+    cmd, env = server_command(config, model_path, "127.0.0.1", port, index)
+    server = ServerProcess(log_path.stem, cmd, "127.0.0.1", port, env=env, log_path=log_path,
+                           api_key=config.rollout.api_key)  # fmt: skip
+    server.start()
+    try:
+        server.wait_healthy(timeout)
+    except SlimError as exc:
+        server.stop()
+        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        raise SlimError(f"{exc}\n{tail}") from None
+    return server

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,12 @@ class TrainerGroup:
         from slimrl.trainer.checkpoint import new_tmp_dir, publish
 
         tmp = new_tmp_dir(root, step)
-        self.run("save_checkpoint", None, str(tmp))
+        try:
+            self.run("save_checkpoint", None, str(tmp))
+        except BaseException:  # e.g. SIGTERM mid-save: stop the writers, then drop what they wrote
+            self.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return publish(root, tmp, step, driver_state, keep_last)
 
     def load_checkpoint(self, path: Path) -> None:

@@ -78,6 +78,12 @@ def engine_first_slot(config: SlimConfig) -> int:
     return 0 if config.cluster.colocate else train_world_size(config)
 
 
+def default_base_gpu_id(config: SlimConfig, index: int) -> int:
+    """Engine `index`'s first GPU on a node laid out as the config says (devices 0..G-1)."""
+    slot = engine_first_slot(config) + index * config.rollout.gpus_per_engine
+    return slot % max(config.cluster.gpus_per_node, 1)
+
+
 def weight_transport(config: SlimConfig) -> str:
     """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
 

@@ -108,7 +108,7 @@ def _run_rank(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """One process per rank on this host, with the environment torchrun would give them (torchrun
     itself costs ~2.5 s of start-up per conversion). The first rank to fail stops the others."""
-    from slimrl.orchestration.placement import free_port
+    from slimrl.utils.net import free_port
 
     world = _layout(args).world_size
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if not inside:
         if _layout(args).world_size > 1:
             return _launch(args, [*argv, "--workers", str(args.workers)])  # the last one counts
-        from slimrl.orchestration.placement import free_port
+        from slimrl.utils.net import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:

@@ -130,7 +130,3 @@ def engine_base_gpu_id(devices: Sequence[int], visible: str | None = None) -> in
     return ordinals[0]
 
 
-def default_base_gpu_id(config: SlimConfig, index: int) -> int:
-    """Engine `index`'s first GPU on a node laid out as the config says (devices 0..G-1)."""
-    slot = engine_first_slot(config) + index * config.rollout.gpus_per_engine
-    return slot % max(config.cluster.gpus_per_node, 1)

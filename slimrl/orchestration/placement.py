@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,15 +126,3 @@ def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
     )
     order, layout = order_slots(node_labels(probes), use_gpu)
     return DeviceSlots(placement_group=group, ordered_bundles=order, use_gpu=use_gpu, layout=layout)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()

@@ -48,8 +48,8 @@ class EngineActor:
         return self.seat.base_gpu_id(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def start(self) -> str:
-        from slimrl.orchestration.placement import free_port
         from slimrl.rollout.servers import ServerProcess, server_command
+        from slimrl.utils.net import free_port
 
         host = "127.0.0.1" if self.config.ray.address is None else _node_ip()
         port = free_port()
@@ -81,7 +81,7 @@ class EngineActor:
 
 
 def _node_ip() -> str:
-    from slimrl.orchestration.placement import node_address
+    from slimrl.utils.net import node_address
 
     return node_address()
 
@@ -101,7 +101,7 @@ class RolloutManager:
         self.router = None
         dropped: set[str] = set()
         if config.rollout.router.enabled:
-            from slimrl.orchestration.placement import free_port
+            from slimrl.utils.net import free_port
 
             self.router = launch_router(
                 "127.0.0.1", free_port(), config.model.hf_checkpoint, config.rollout.router.policy,

@@ -16,7 +16,7 @@ class _RankAddress:
 
     @staticmethod
     def pick() -> tuple[str, int]:
-        from slimrl.orchestration.placement import free_port, node_address
+        from slimrl.utils.net import free_port, node_address
 
         return node_address(), free_port()
 

@@ -22,10 +22,10 @@ from typing import TypeVar
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
-from slimrl.orchestration.placement import free_port
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.router import Router, start_router, wait_router_ready
 from slimrl.rollout.servers import ServerProcess, server_command
+from slimrl.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"

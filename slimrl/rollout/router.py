@@ -10,7 +10,6 @@ go to each engine directly.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import requests
 
 from slimrl.errors import SlimError
 from slimrl.rollout.servers import ServerProcess
+from slimrl.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,8 @@ def router_command(host: str, port: int, model_path: str, policy: str) -> list[s
         "--prometheus-host",
         host,
         "--prometheus-port",
-        str(_free_port(host)),
+        str(free_port(host)),
     ]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def start_router(host: str, port: int, model_path: str, policy: str, log_path: Path | None) -> Router:

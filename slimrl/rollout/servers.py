@@ -180,8 +180,7 @@ def server_command(
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
     from slimrl.compat.sglang_cpu import check_sglang_version
-    from slimrl.config.checks import resolve_device
-    from slimrl.orchestration.launch_plan import default_base_gpu_id
+    from slimrl.config.checks import default_base_gpu_id, resolve_device
     from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
     check_sglang_version()
@@ -199,7 +198,7 @@ def start_server(
 ) -> ServerProcess:
     """Engine `index` of `config` on a free local port, started as a run starts it and healthy;
     if it does not come up it is stopped and the error carries the tail of its log."""
-    from slimrl.orchestration.placement import free_port
+    from slimrl.utils.net import free_port
 
     port = free_port()
     cmd, env = server_command(config, model_path, "127.0.0.1", port, index)

@@ -31,7 +31,7 @@ def sync_target(
     actor: MegatronActor, urls: list[str], version: str, sync_dir: str | None, api_key: str | None
 ) -> SyncTarget:
     """The same description of the sync on every rank (rank 0 picks the group's port)."""
-    from slimrl.orchestration.placement import free_port, node_address
+    from slimrl.utils.net import free_port, node_address
 
     address: list[object] = [(node_address(), free_port()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(address, src=0)

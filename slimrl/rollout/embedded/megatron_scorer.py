@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from slimrl.utils.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,6 @@ def _megatron_thread_context() -> contextlib.AbstractContextManager[Any]:
     if not megatron_cpu.needs_cpu_compat():
         return contextlib.nullcontext()
     return megatron_cpu._CudaToCpuMode()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -85,7 +80,7 @@ class MegatronScorer:
         )
         self.arch = read_model_arch(model_path, self.config.model.overrides)
         self.layout = ParallelLayout.resolve(self.config.parallel, 1, self.arch)
-        info = RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
+        info = RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
         init_distributed(info, self.layout, seed)
         options = build_options(self.config, use_cuda=False)
         self.chunks = build_gpt_chunks(self.arch, self.layout, options, self.config.train.max_seq_len)

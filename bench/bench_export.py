@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=0.5)
     parser.add_argument("--bucket-mb", type=int, default=512)
     args = parser.parse_args()
-    from slimrl.orchestration.placement import free_port
+    from slimrl.utils.net import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from slimrl.megatron_bridge.convert import LayoutArgs, _build, _init

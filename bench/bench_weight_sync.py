@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    from slimrl.orchestration.placement import free_port
+    from slimrl.utils.net import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     bucket = args.bucket_mb * 1024**2

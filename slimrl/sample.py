@@ -55,7 +55,9 @@ class Sample:
     rollout_routed_experts: list[list[list[int]]] | None = None
     """MoE routing replay: [token][layer][topk] expert ids chosen by the engine."""
     remove_sample: bool = False
-    """Set by a filter to keep the sample out of training (it still counts in metrics)."""
+    """Set by a filter to keep the sample out of training: its loss mask becomes all zeros
+    (`train_loss_mask`), so it adds nothing to the loss or to the token and sequence counts that
+    normalise it. It still counts in metrics and in its group's reward statistics (advantages)."""
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -67,6 +69,10 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+    def train_loss_mask(self) -> list[int]:
+        """The loss mask the trainer gets: all zeros when `remove_sample` is set."""
+        return [0] * self.response_length if self.remove_sample else self.effective_loss_mask()
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

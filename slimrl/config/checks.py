@@ -22,13 +22,16 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "algorithm.advantage_estimator": (
         "grpo",
         "gspo",
+        "rloo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "ppo",
     ),
-    "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean"),
+    "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "algorithm.grpo_std": ("unbiased", "population"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
-    "algorithm.mis_level": ("token", "sequence"),
+    "algorithm.tis_level": ("token", "sequence"),
+    "algorithm.mis_level": ("token", "sequence", "geometric"),
     "train.optimizer.name": ("adam", "sgd"),
     "train.lr_schedule.decay_style": ("constant", "linear", "cosine"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -235,9 +238,85 @@ def _check_algorithm(config: SlimConfig) -> None:
             "algorithm.async_staleness>0: overlapping rollout and training needs separate devices "
             "(cluster.colocate=false)"
         )
-    group_based = algo.advantage_estimator in ("grpo", "gspo") and algo.loss == "policy"
-    if group_based and config.rollout.n_samples_per_prompt < 2:
+    if algo.loss == "policy":
+        _check_estimator(config)
+
+
+_GROUP_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+_TOKEN_LEVEL = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+
+def _check_estimator(config: SlimConfig) -> None:
+    """Estimator/loss combinations that have no definition are refused here, in one line naming the
+    keys and what would be valid, instead of silently ignoring a setting."""
+    algo, rollout = config.algorithm, config.rollout
+    estimator = algo.advantage_estimator
+    if estimator in _GROUP_ESTIMATORS and rollout.n_samples_per_prompt < 2:
         raise ConfigError(
-            f"rollout.n_samples_per_prompt={config.rollout.n_samples_per_prompt}: "
-            f"{algo.advantage_estimator} needs groups of at least 2 samples"
+            f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: "
+            f"{estimator} needs groups of at least 2 samples"
+        )
+    if estimator == "gspo" and algo.loss_reduction != "seq_mean_token_mean":
+        raise ConfigError(
+            f"algorithm.loss_reduction={algo.loss_reduction}: advantage_estimator=gspo is the mean over "
+            "sequences of the sequence-level objective; set algorithm.loss_reduction=seq_mean_token_mean"
+        )
+    if not algo.normalize_std and estimator not in ("grpo", "gspo"):
+        raise ConfigError(
+            f"algorithm.normalize_std=false: only grpo/gspo divide by the group std (Dr.GRPO drops it); "
+            f"advantage_estimator={estimator} has none, remove the setting"
+        )
+    if estimator not in _TOKEN_LEVEL:
+        token_level = ", ".join(_TOKEN_LEVEL)
+        if algo.kl_coef != 0:
+            raise ConfigError(
+                f"algorithm.kl_coef={algo.kl_coef}: the KL reward penalty needs a token-level estimator "
+                f"({token_level}); with advantage_estimator={estimator} use algorithm.kl_loss_coef"
+            )
+        if algo.gamma != 1.0:
+            raise ConfigError(
+                f"algorithm.gamma={algo.gamma}: discounts token-level returns ({token_level}); "
+                f"advantage_estimator={estimator} has none, leave gamma at 1.0"
+            )
+    if algo.lambd != 1.0 and estimator != "ppo":
+        raise ConfigError(
+            f"algorithm.lambd={algo.lambd}: the GAE lambda applies to advantage_estimator=ppo only "
+            f"(got {estimator}); leave lambd at 1.0"
+        )
+    if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
+        raise ConfigError(
+            f"algorithm.loss_norm_tokens={algo.loss_norm_tokens}: must be a positive number of tokens, "
+            "or null for rollout.sampling.max_new_tokens"
+        )
+    if not 0 <= algo.tis_clip_low <= algo.tis_clip_high:
+        raise ConfigError(
+            f"algorithm.tis_clip_low={algo.tis_clip_low}: must satisfy 0 <= tis_clip_low <= tis_clip_high "
+            f"(tis_clip_high={algo.tis_clip_high})"
+        )
+    if not 0 <= algo.mis_low < algo.mis_high:
+        raise ConfigError(
+            f"algorithm.mis_low={algo.mis_low}: must satisfy 0 <= mis_low < mis_high "
+            f"(mis_high={algo.mis_high})"
+        )
+    if algo.use_rollout_logprobs and (algo.tis or algo.mis):
+        which = "algorithm.tis=true" if algo.tis else "algorithm.mis=true"
+        raise ConfigError(
+            f"{which}: corrects the trainer's old logprobs against the rollout's, which "
+            "algorithm.use_rollout_logprobs=true makes identical (every ratio 1); unset one of them"
+        )
+    max_new = rollout.sampling.max_new_tokens
+    if algo.overlong_buffer_len is not None and not 0 < algo.overlong_buffer_len <= max_new:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len={algo.overlong_buffer_len}: the soft overlong buffer must be "
+            f"1..{max_new} tokens (rollout.sampling.max_new_tokens), or null to disable it"
+        )
+    if algo.overlong_penalty_factor < 0:
+        raise ConfigError(f"algorithm.overlong_penalty_factor={algo.overlong_penalty_factor}: must be >= 0")
+    threshold = rollout.dynamic_sampling_std_threshold
+    if threshold < 0:
+        raise ConfigError(f"rollout.dynamic_sampling_std_threshold={threshold}: must be >= 0")
+    if threshold > 0 and rollout.dynamic_sampling_filter_path is None:
+        raise ConfigError(
+            f"rollout.dynamic_sampling_std_threshold={threshold}: read by the dynamic-sampling filter; set "
+            "rollout.dynamic_sampling_filter_path=slimrl.rollout.filters.nonzero_reward_std"
         )

@@ -172,6 +172,9 @@ class RolloutConfig:
     """HTTP reward model endpoint (used when reward_type is `remote`)."""
     dynamic_sampling_filter_path: str | None = None
     """`module.func(config, group) -> bool` keeping a finished group."""
+    dynamic_sampling_std_threshold: float = 0.0
+    """For the built-in `slimrl.rollout.filters.nonzero_reward_std` (DAPO dynamic sampling): keep a
+    group only if the population std of its rewards exceeds this (0: any two different rewards)."""
     buffer_filter_path: str | None = None
     """`module.func(config, buffer, n) -> list of groups` drawn from the partial-rollout buffer."""
     update_weight_buffer_bytes: int = 512 * 1024**2
@@ -211,9 +214,15 @@ class AlgorithmConfig:
     loss: str = "policy"
     """`policy` (RL policy-gradient loss) or `sft` (cross-entropy on loss-masked tokens)."""
     advantage_estimator: str = "grpo"
-    """`grpo`, `gspo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `ppo`."""
+    """`grpo`, `gspo`, `rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `ppo`
+    (papers and what each test pins: docs/trainer.md)."""
     normalize_std: bool = True
-    """Divide GRPO advantages by the group std (false: Dr.GRPO)."""
+    """Divide GRPO/GSPO advantages by the group std. False is Dr.GRPO's advantage (pair it with
+    `loss_reduction: seq_mean_token_sum_norm` for Dr.GRPO's loss)."""
+    grpo_std: str = "unbiased"
+    """Group std of GRPO/GSPO: `unbiased` (divides by n-1) or `population` (by n). Unbiased is the
+    default because the GRPO implementations hyperparameters are usually ported from (TRL, verl,
+    OpenRLHF, slime) all use it; population gives advantages larger by sqrt(n/(n-1))."""
     eps_clip: float = 0.2
     """Lower PPO clip range."""
     eps_clip_high: float | None = None
@@ -221,7 +230,13 @@ class AlgorithmConfig:
     dual_clip_c: float | None = None
     """Dual-clip constant (> 1) for negative advantages; null disables."""
     loss_reduction: str = "token_mean"
-    """`token_mean` over all tokens of the batch, or `seq_mean_token_mean`."""
+    """How per-token losses (policy, KL loss, entropy) become the step loss: `token_mean` over all loss
+    tokens of the step (DAPO's token-level loss), `seq_mean_token_mean` (mean over sequences of each
+    sequence's token mean; required by gspo) or `seq_mean_token_sum_norm` (Dr.GRPO: each sequence's
+    token sum divided by the constant `loss_norm_tokens`, averaged over sequences)."""
+    loss_norm_tokens: int | None = None
+    """The constant of `seq_mean_token_sum_norm` (null: `rollout.sampling.max_new_tokens`, the
+    maximum response length, as in Dr.GRPO)."""
     kl_coef: float = 0.0
     """Reward-side KL penalty coefficient."""
     kl_loss_coef: float = 0.0
@@ -238,12 +253,25 @@ class AlgorithmConfig:
     """Truncated importance sampling on the train/rollout mismatch."""
     tis_clip_low: float = 0.0
     tis_clip_high: float = 2.0
+    tis_level: str = "token"
+    """`token` (each token's ratio) or `sequence` (every token weighted by the product of its
+    sequence's token ratios) for truncated IS."""
     mis: bool = False
-    """Masked importance sampling: drop tokens whose ratio leaves [mis_low, mis_high]."""
+    """Masked importance sampling (rejection): drop tokens whose ratio leaves [mis_low, mis_high]."""
     mis_low: float = 0.5
     mis_high: float = 2.0
     mis_level: str = "token"
-    """`token` or `sequence` for masked IS."""
+    """`token`, `sequence` (the product of the sequence's token ratios decides for the whole sequence)
+    or `geometric` (Geo-RS: their geometric mean decides) for masked IS."""
+    overlong_buffer_len: int | None = None
+    """DAPO soft overlong punishment: L_cache, the last tokens before `rollout.sampling.max_new_tokens`
+    (L_max) over which a linear penalty from 0 to -1 is added to the reward (-1 beyond L_max);
+    null disables."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (1 in the DAPO paper)."""
+    overlong_filtering: bool = False
+    """DAPO overlong filtering: truncated samples (hit the length limit) get loss mask 0, i.e. are
+    not trained on; their rewards still count in their group's statistics."""
     use_rollout_logprobs: bool = False
     """Use rollout logprobs as old logprobs instead of recomputing them."""
     true_on_policy: bool = False

@@ -24,7 +24,7 @@ from slimrl.orchestration.metrics import MetricsWriter
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
-from slimrl.sample import Sample
+from slimrl.sample import Sample, Status
 
 logger = logging.getLogger("slimrl")
 
@@ -106,17 +106,28 @@ def serving_checkpoint(config: SlimConfig, run_dir: Path) -> str:
 
 
 def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[float]:
-    """Per-sample scalar advantages from group rewards (REINFORCE++/PPO get the raw reward)."""
+    """Per-sample scalar advantages from group rewards (REINFORCE++/PPO get the raw reward), with
+    DAPO's overlong penalty added to the rewards first when `algorithm.overlong_buffer_len` is set."""
     from slimrl.rollout.rewards import scalar_reward
+    from slimrl.trainer.algorithms import overlong_reward
     from slimrl.trainer.algorithms import sample_advantages as estimator
 
     algo = config.algorithm
     rewards = torch.tensor([[scalar_reward(s.reward) for s in g] for g in groups], dtype=torch.float64)
-    return estimator(algo.advantage_estimator, rewards, algo.normalize_std).reshape(-1).tolist()
+    if algo.overlong_buffer_len is not None:
+        lengths = torch.tensor([[s.response_length for s in g] for g in groups])
+        max_len = config.rollout.sampling.max_new_tokens
+        rewards += overlong_reward(lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+    advantages = estimator(algo.advantage_estimator, rewards, algo.normalize_std, std=algo.grpo_std)
+    return advantages.reshape(-1).tolist()
 
 
 def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
     samples = [s for g in groups for s in g]
+    if config.algorithm.overlong_filtering:  # DAPO: truncated responses are not trained on
+        for sample in samples:
+            if sample.status == Status.TRUNCATED:
+                sample.remove_sample = True
     advantages = sample_advantages(config, groups)
     per_token = {
         "advantages": [[a] * s.response_length for a, s in zip(advantages, samples, strict=True)],

@@ -22,13 +22,13 @@ def split_for_dp(
         rank = min((r for r in range(dp_size) if len(members[r]) < per_rank), key=lambda r: load[r])
         members[rank].append(i)
         load[rank] += len(samples[i].tokens)
-    global_tokens = sum(sum(s.effective_loss_mask()) for s in samples)
+    global_tokens = sum(sum(s.train_loss_mask()) for s in samples)  # removed samples: all zeros
     extra = per_token or {}
     return [
         TrainBatch(
             tokens=[samples[i].tokens for i in idx],
             response_lengths=[samples[i].response_length for i in idx],
-            loss_masks=[samples[i].effective_loss_mask() for i in idx],
+            loss_masks=[samples[i].train_loss_mask() for i in idx],
             per_token={key: [values[i] for i in idx] for key, values in extra.items()},
             global_num_tokens=global_tokens,
             global_num_seqs=len(samples),

@@ -26,17 +26,25 @@ from slimrl.errors import ConfigError
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 Level = Literal["token", "sequence"]
-Reduction = Literal["token_mean", "seq_mean_token_mean"]
+ISLevel = Literal["token", "sequence", "geometric"]
+Reduction = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+GroupStd = Literal["unbiased", "population"]
 
 _KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 _LEVELS = ("token", "sequence")
-_REDUCTIONS = ("token_mean", "seq_mean_token_mean")
-_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+_IS_LEVELS = ("token", "sequence", "geometric")
+_REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+_GROUP_STDS = ("unbiased", "population")
+_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+"""Estimators whose advantages are per token and computed in the trainer (`rl._token_level_advantages`)."""
 
-# low_var_kl clamps the log-ratio to this range before exp. For |x| >= 20, k3 already exceeds the
-# output clamp of 10 (k3(20) ~ 4.9e8, k3(-20) ~ 19), so values are unchanged; the inner clamp only
-# keeps exp finite so the backward pass of the outer clamp is 0 instead of 0 * inf = nan.
-_LOW_VAR_KL_LOG_RATIO_BOUND = 20.0
+# Every importance ratio (policy, GSPO, TIS, MIS) clamps its log-ratio to [-20, 20] before exp, as
+# does low_var_kl. Inside the bound values are untouched; beyond it exp would overflow fp32 near 88
+# (inf loss, or 0 * inf = nan in the backward pass of a clip or a mask), and a ratio of e^20 ~ 4.9e8
+# is already far outside any clip range, so only the gradient of such a token changes (to 0).
+LOG_RATIO_BOUND = 20.0
+_LOW_VAR_KL_LOG_RATIO_BOUND = LOG_RATIO_BOUND
 _LOW_VAR_KL_BOUND = 10.0
 
 
@@ -105,40 +113,98 @@ def _segment_mean(values_BS: torch.Tensor, mask_BS: torch.Tensor, segments_BS: t
 # ---------------------------------------------------------------------------------------------------
 
 
-def grpo_advantages(rewards_GN: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages per sample; Dr.GRPO (no std division) when `normalize_std` is False.
+def _group_std(rewards_GN: torch.Tensor, std: GroupStd | str) -> torch.Tensor:
+    """Per-group std of the rewards, [G, 1]: `unbiased` (n - 1, Bessel) or `population` (n)."""
+    _check_choice("algorithm.grpo_std", std, _GROUP_STDS)
+    n = rewards_GN.shape[1]
+    if std == "unbiased" and n < 2:  # no spread to estimate from one sample: 0, not 0/0 = nan
+        return rewards_GN.new_zeros(rewards_GN.shape[0], 1)
+    return rewards_GN.std(dim=1, keepdim=True, correction=1 if std == "unbiased" else 0)
+
+
+def grpo_advantages(
+    rewards_GN: torch.Tensor, normalize_std: bool, eps: float = 1e-6, *, std: GroupStd | str = "unbiased"
+) -> torch.Tensor:
+    """GRPO advantages per sample (Shao et al. 2024, DeepSeekMath, eq. 3); without the std division
+    (`normalize_std=False`) the advantage half of Dr.GRPO (Liu et al. 2025).
+
+    `std` picks the group std: `unbiased` (sum / (n - 1), what torch's `std()` gives and the GRPO
+    implementations of TRL, verl, OpenRLHF and slime use) or `population` (sum / n). The default is
+    unbiased so hyperparameters ported from those stacks mean the same here; the two differ by
+    sqrt(n / (n - 1)) (1.07 at n = 8, 1.41 at n = 2). A group of one has advantage 0 either way.
 
     Also the advantages of GSPO: GSPO changes the importance ratio and clipping (sequence level in
     `policy_loss`), not the advantage estimator.
     """
     # A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps)      [Dr.GRPO: A_ij = r_ij - mean_j r_ij]
-    # std is the population std (unbiased=False): the advantage is a z-score *within this group*,
-    # not an estimate of some population variance, and n-1 would divide by zero for n = 1 groups
-    # (the population std is 0 there, so the advantage is a clean 0).
     centred = rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
     if not normalize_std:
         return centred
-    return centred / (rewards_GN.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred / (_group_std(rewards_GN, std) + eps)
+
+
+def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean reward of the
+    other samples of its group. A group of one has no other sample: advantage 0."""
+    # A_ij = r_ij - 1/(n-1) sum_{k != j} r_ik    (= n/(n-1) (r_ij - mean_j r_ij))
+    n = rewards_GN.shape[1]
+    if n < 2:
+        return torch.zeros_like(rewards_GN)
+    others = rewards_GN.sum(dim=1, keepdim=True) - rewards_GN
+    return rewards_GN - others / (n - 1)
 
 
 def reinforce_plus_plus_baseline_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean; the batch-level scaling comes later from `whiten`."""
-    # A_ij = r_ij - mean_j r_ij
+    """REINFORCE++-baseline, first half (Hu et al. 2025): the reward minus its group's mean.
+
+    This centred score is what the driver sends; the trainer then treats it like REINFORCE++'s
+    reward (last loss-masked token, optional KL penalty, returns) and whitens the result over the
+    whole batch's loss tokens (`rl._token_level_advantages`, moments all-reduced over DP).
+    """
+    # s_ij = r_ij - mean_j r_ij
     return rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
 
 
-def sample_advantages(estimator: str, rewards_GN: torch.Tensor, normalize_std: bool) -> torch.Tensor:
+def sample_advantages(
+    estimator: str, rewards_GN: torch.Tensor, normalize_std: bool, *, std: GroupStd | str = "unbiased"
+) -> torch.Tensor:
     """Per-sample scalar for `algorithm.advantage_estimator`, broadcast to tokens by the caller.
 
-    `reinforce_plus_plus` and `ppo` return the raw rewards: their token-level advantages come from
-    `reinforce_plus_plus_returns` / `gae`, with the reward placed on the last response token.
+    grpo/gspo/rloo return the final advantage. The token-level estimators return the score the
+    trainer turns into advantages (`rl._token_level_advantages`): the raw reward for
+    `reinforce_plus_plus` and `ppo`, the group-centred reward for `reinforce_plus_plus_baseline`.
     """
     _check_choice("algorithm.advantage_estimator", estimator, _ESTIMATORS)
     if estimator in ("grpo", "gspo"):  # GSPO shares GRPO's advantages
-        return grpo_advantages(rewards_GN, normalize_std)
+        return grpo_advantages(rewards_GN, normalize_std, std=std)
+    if estimator == "rloo":
+        return rloo_advantages(rewards_GN)
     if estimator == "reinforce_plus_plus_baseline":
         return reinforce_plus_plus_baseline_advantages(rewards_GN)
     return rewards_GN.clone()
+
+
+def overlong_reward(
+    response_lengths: torch.Tensor, max_len: int, buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the task reward.
+
+    With L_max = `max_len` and L_cache = `buffer_len` (times `penalty_factor`, 1 in the paper):
+      R(|y|) = 0                                 |y| <= L_max - L_cache
+               ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+               -1                                 L_max < |y|
+    """
+    if not 0 < buffer_len <= max_len:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len={buffer_len}: must be in 1..{max_len} "
+            "(the maximum response length)"
+        )
+    lengths = response_lengths.to(torch.float64)
+    expected = float(max_len - buffer_len)
+    inside = (expected - lengths) / float(buffer_len)
+    shaped = torch.where(lengths <= expected, torch.zeros_like(lengths), inside)
+    shaped = torch.where(lengths > max_len, torch.full_like(lengths, -1.0), shaped)
+    return shaped * penalty_factor
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,11 +225,32 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind | str) 
     if kind == "k2":
         return 0.5 * log_ratio.square()  # k2 = 1/2 (log pi - log pi_ref)^2
     # k3 = exp(x) - x - 1 with x = log pi_ref - log pi  (E_pi[exp(x)] = 1, so unbiased)
-    x = -log_ratio
+    # x is clamped to [-20, 20] before exp (LOG_RATIO_BOUND): finite value and gradient for any token.
+    x = (-log_ratio).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if kind == "low_var_kl":
-        x = x.clamp(-_LOW_VAR_KL_LOG_RATIO_BOUND, _LOW_VAR_KL_LOG_RATIO_BOUND)
         return (torch.exp(x) - x - 1).clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND)
     return torch.exp(x) - x - 1
+
+
+def terminal_rewards(
+    scores: torch.Tensor, mask_BS: torch.Tensor, kl_penalty_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token rewards of REINFORCE++ / PPO, one sequence per row: each row's score on its last
+    masked (loss) token, minus the per-token KL penalty on masked tokens only.
+
+    Positions with mask 0 (prompt, padding, multi-turn tool/observation tokens) are not actions: they
+    get neither the score nor a penalty. A row without masked tokens gets nothing.
+    """
+    # r_t = [t = last masked position] * score - m_t * kl_penalty_t
+    mask = mask_BS.to(scores.dtype)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).amax(dim=1)
+    rewards = torch.zeros_like(mask)
+    has = last >= 0
+    rewards[has, last[has]] = scores[has]
+    if kl_penalty_BS is not None:
+        rewards = rewards - torch.where(mask > 0, kl_penalty_BS.to(rewards.dtype), 0.0) * mask
+    return rewards
 
 
 def reinforce_plus_plus_returns(
@@ -280,6 +367,12 @@ def whiten(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _masked(values_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    """`values` where the mask is set, 0 elsewhere, by selection: an inf or nan under a zero mask
+    never reaches a sum (inf * 0 = nan) or the backward pass (where() sends those positions 0)."""
+    return torch.where(mask_BS > 0, values_BS, 0.0)
+
+
 def reduce_loss(
     loss_BS: torch.Tensor,
     mask_BS: torch.Tensor,
@@ -288,22 +381,29 @@ def reduce_loss(
     global_tokens: float,
     global_seqs: float | None = None,
     seq_index_BS: torch.Tensor | None = None,
+    norm_tokens: float | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the step loss, already divided by the global normaliser.
 
-    token_mean:          sum_t m_t l_t / global_tokens
-    seq_mean_token_mean: sum_i (sum_{t in i} m_t l_t / n_i) / global_seqs,  n_i = sum_{t in i} m_t
+    token_mean:              sum_t m_t l_t / global_tokens
+    seq_mean_token_mean:     sum_i (sum_{t in i} m_t l_t / n_i) / global_seqs,  n_i = sum_{t in i} m_t
+    seq_mean_token_sum_norm: sum_i (sum_{t in i} m_t l_t / norm_tokens) / global_seqs   (Dr.GRPO: a
+                             constant, the maximum response length, instead of each sequence's n_i)
     A sequence must lie whole in the micro-batch (n_i is counted locally; with context parallelism the
     caller would have to supply the full count). Sequences without masked tokens contribute 0.
     """
     _check_choice("algorithm.loss_reduction", reduction, _REDUCTIONS)
     mask = _effective_mask(mask_BS, seq_index_BS).to(loss_BS.dtype)
     if reduction == "token_mean":
-        return _divide((loss_BS * mask).sum(), global_tokens)
+        return _divide(_masked(loss_BS * mask, mask).sum(), global_tokens)
     if global_seqs is None:
-        raise ValueError("reduction seq_mean_token_mean needs global_seqs")
+        raise ValueError(f"reduction {reduction} needs global_seqs")
+    if reduction == "seq_mean_token_sum_norm":
+        if norm_tokens is None or norm_tokens <= 0:
+            raise ValueError("reduction seq_mean_token_sum_norm needs norm_tokens > 0")
+        return _divide(_masked(loss_BS * mask, mask).sum(), float(global_seqs) * float(norm_tokens))
     counts = _segment_sum(mask, _segment_ids(seq_index_BS, mask))
-    return _divide((loss_BS * mask / counts.clamp(min=1.0)).sum(), global_seqs)
+    return _divide(_masked(loss_BS * mask / counts.clamp(min=1.0), mask).sum(), global_seqs)
 
 
 def _masked_fraction(flag_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
@@ -350,6 +450,7 @@ def policy_loss(
     reduction: Reduction | str = "token_mean",
     global_tokens: float,
     global_seqs: float | None = None,
+    norm_tokens: float | None = None,
     is_weights_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss (PPO/GRPO/DAPO at token level, GSPO at sequence level).
@@ -360,25 +461,41 @@ def policy_loss(
     old_logp - logp) and tokens (the local masked count, to weight the fractions when aggregating).
     `is_weights_BS` (train/rollout importance weights, e.g. `truncated_is_weights`) multiply the
     per-token loss and are never differentiated.
+
+    GSPO (level `sequence`, Zheng et al. 2025) is defined as the mean over sequences of the
+    sequence-level clipped objective, which is `seq_mean_token_mean` of a per-token loss that is
+    constant over each sequence; any other reduction would weight sequences by their length, so it is
+    refused. Log-ratios are clamped to +-LOG_RATIO_BOUND before exp, and positions outside the mask
+    are replaced by 0 before any arithmetic: loss and gradient stay finite for any input.
     """
     _check_choice("level", level, _LEVELS)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ConfigError(f"algorithm.dual_clip_c={dual_clip_c}: must be > 1")
+    if level == "sequence" and reduction != "seq_mean_token_mean":
+        raise ConfigError(
+            f"algorithm.loss_reduction={reduction}: GSPO (advantage_estimator=gspo) is the mean over "
+            "sequences of the sequence objective; use loss_reduction=seq_mean_token_mean"
+        )
     mask = _effective_mask(mask_BS, seq_index_BS)
-    log_ratio = logp_BS - old_logp_BS  # r_t = exp(logp_t - old_logp_t)
+    token_log_ratio = _masked(logp_BS - old_logp_BS, mask)  # r_t = exp(logp_t - old_logp_t)
+    advantages = _masked(advantages_BS, mask)
     if level == "sequence":
         # GSPO: s_i = exp(mean_{t in i} (logp_t - old_logp_t)), with the per-token form
         # r_t = sg(s_i) * exp(logp_t - sg(logp_t)): value s_i, d r_t / d logp_t = s_i. For advantages
-        # constant over the sequence this gives exactly the gradient of GSPO's sequence objective
-        # (under both reductions), while clipping decides once per sequence since r_t = s_i.
-        seq_log_ratio = _segment_mean(log_ratio.detach(), mask, _segment_ids(seq_index_BS, mask))
-        log_ratio = seq_log_ratio + logp_BS - logp_BS.detach()
+        # constant over the sequence, seq_mean_token_mean of this loss is exactly GSPO's objective
+        # (1/G sum_i of the clipped s_i A_i) with its gradient, and clipping decides once per sequence
+        # since r_t = s_i. (token_mean would weight sequence i by its length n_i: not GSPO.)
+        seq_log_ratio = _segment_mean(token_log_ratio.detach(), mask, _segment_ids(seq_index_BS, mask))
+        seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        log_ratio = seq_log_ratio + _masked(logp_BS - logp_BS.detach(), mask)
+    else:
+        log_ratio = token_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     loss_BS, clip_active, dual_active = _clipped_surrogate(
-        ratio, advantages_BS, eps_clip, eps_clip_high, dual_clip_c
+        ratio, advantages, eps_clip, eps_clip_high, dual_clip_c
     )
     if is_weights_BS is not None:
-        loss_BS = loss_BS * is_weights_BS.detach()
+        loss_BS = loss_BS * _masked(is_weights_BS.detach(), mask)
     loss = reduce_loss(
         loss_BS,
         mask,
@@ -386,13 +503,14 @@ def policy_loss(
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         seq_index_BS=seq_index_BS,
+        norm_tokens=norm_tokens,
     )
     with torch.no_grad():
         tokens = mask.to(logp_BS.dtype).sum()
         stats = {
             "clipfrac": _masked_fraction(clip_active, mask),
             "dual_clipfrac": _masked_fraction(dual_active, mask),
-            "ppo_kl": ((old_logp_BS - logp_BS) * mask.to(logp_BS.dtype)).sum() / tokens.clamp(min=1.0),
+            "ppo_kl": (-token_log_ratio * mask.to(logp_BS.dtype)).sum() / tokens.clamp(min=1.0),
             "tokens": tokens,
         }
     return loss, {k: v.detach() for k, v in stats.items()}
@@ -428,16 +546,20 @@ def kl_loss(
     reduction: Reduction | str = "token_mean",
     global_seqs: float | None = None,
     seq_index_BS: torch.Tensor | None = None,
+    norm_tokens: float | None = None,
 ) -> torch.Tensor:
-    """KL(pi || pi_ref) penalty for the loss (kl_loss_coef is applied by the caller), normalised sum."""
+    """KL(pi || pi_ref) penalty for the loss (kl_loss_coef is applied by the caller), normalised sum
+    under the same `reduction` as the policy loss."""
     # L = reduce(kl_estimate(logp, ref_logp, kind))
+    mask = _effective_mask(mask_BS, seq_index_BS)
     return reduce_loss(
-        kl_estimate(logp_BS, ref_logp_BS, kind),
-        mask_BS,
+        kl_estimate(_masked(logp_BS, mask), _masked(ref_logp_BS, mask), kind),
+        mask,
         reduction=reduction,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         seq_index_BS=seq_index_BS,
+        norm_tokens=norm_tokens,
     )
 
 
@@ -449,16 +571,19 @@ def entropy_bonus(
     reduction: Reduction | str = "token_mean",
     global_seqs: float | None = None,
     seq_index_BS: torch.Tensor | None = None,
+    norm_tokens: float | None = None,
 ) -> torch.Tensor:
-    """Normalised entropy sum (positive); the caller subtracts entropy_coef times it from the loss."""
+    """Normalised entropy sum (positive) under the policy loss's `reduction`; the caller subtracts
+    entropy_coef times it from the loss."""
     # H = reduce(entropy_t)
     return reduce_loss(
-        entropy_BS,
+        _masked(entropy_BS, _effective_mask(mask_BS, seq_index_BS)),
         mask_BS,
         reduction=reduction,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         seq_index_BS=seq_index_BS,
+        norm_tokens=norm_tokens,
     )
 
 
@@ -498,17 +623,53 @@ def mismatch_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     }
 
 
+def _is_log_ratio(
+    train_logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    mask_BS: torch.Tensor | None,
+    level: ISLevel | str,
+    seq_index_BS: torch.Tensor | None,
+) -> torch.Tensor:
+    """log rho per position, clamped to +-LOG_RATIO_BOUND: the token's own, or its sequence's
+    (`sequence`: sum over the masked tokens, log of the product of ratios; `geometric`: their mean)."""
+    log_ratio = train_logp_BS - rollout_logp_BS
+    if mask_BS is None:
+        if level != "token":
+            raise ValueError(f"importance-sampling level {level} needs the loss mask")
+        return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    mask = _effective_mask(mask_BS, seq_index_BS).to(log_ratio.dtype)
+    log_ratio = _masked(log_ratio, mask)
+    if level == "sequence":
+        log_ratio = _segment_sum(log_ratio, _segment_ids(seq_index_BS, mask))
+    elif level == "geometric":
+        log_ratio = _segment_mean(log_ratio, mask, _segment_ids(seq_index_BS, mask))
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
 def truncated_is_weights(
-    train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, clip_low: float, clip_high: float
+    train_logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    *,
+    level: Level | str = "token",
+    mask_BS: torch.Tensor | None = None,
+    seq_index_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Truncated importance weights pi_train / pi_rollout for the tokens the rollout engine sampled.
 
     `train_logp` is the trainer's logprob under the weights the engine used (the old logprobs), so the
     weight corrects only for the numerical/engine mismatch. Detached: it rescales, never steers.
+    Level `token` weighs each token by its own ratio (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"); `sequence` weighs every token of a sequence by the
+    product of its masked tokens' ratios, the sequence's likelihood ratio (needs `mask_BS`).
     """
-    # w_t = clamp(exp(logp_train - logp_rollout), clip_low, clip_high)
+    # token:    w_t = clamp(exp(logp_train_t - logp_rollout_t), clip_low, clip_high)
+    # sequence: w_i = clamp(exp(sum_{t in i} m_t (logp_train_t - logp_rollout_t)), clip_low, clip_high)
+    _check_choice("algorithm.tis_level", level, _LEVELS)
     with torch.no_grad():
-        return torch.exp(train_logp_BS - rollout_logp_BS).clamp(clip_low, clip_high)
+        log_ratio = _is_log_ratio(train_logp_BS, rollout_logp_BS, mask_BS, level, seq_index_BS)
+        return torch.exp(log_ratio).clamp(clip_low, clip_high)
 
 
 def masked_is(
@@ -517,25 +678,26 @@ def masked_is(
     mask_BS: torch.Tensor,
     low: float,
     high: float,
-    level: Level | str = "token",
+    level: ISLevel | str = "token",
     seq_index_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked importance sampling: drop tokens (or whole sequences) whose ratio leaves [low, high].
+    """Masked importance sampling (rejection sampling): drop tokens (or whole sequences) whose ratio
+    leaves [low, high].
 
+    Levels: `token` (each token's ratio), `sequence` (the product of the sequence's token ratios),
+    `geometric` (Geo-RS: their geometric mean, a per-token-normalised sequence ratio).
     Returns (new_mask_BS, dropped_fraction), the fraction of the originally masked local tokens that
     were dropped. Keep the step's global normaliser computed from the original mask: a dropped token
     then acts as importance weight 0 rather than silently rescaling the others.
     """
-    # token:    rho_t = exp(logp_train_t - logp_rollout_t)
-    # sequence: rho_i = exp(mean_{t in i} (logp_train_t - logp_rollout_t))  (geometric mean of rho_t)
+    # token:     rho_t = exp(logp_train_t - logp_rollout_t)
+    # sequence:  rho_i = exp(sum_{t in i} (logp_train_t - logp_rollout_t))   (product of rho_t)
+    # geometric: rho_i = exp(mean_{t in i} (logp_train_t - logp_rollout_t))  (geometric mean of rho_t)
     # keep iff low <= rho <= high
-    _check_choice("algorithm.mis_level", level, _LEVELS)
+    _check_choice("algorithm.mis_level", level, _IS_LEVELS)
     with torch.no_grad():
         mask = _effective_mask(mask_BS, seq_index_BS)
-        log_ratio = train_logp_BS - rollout_logp_BS
-        if level == "sequence":
-            log_ratio = _segment_mean(log_ratio, mask.to(log_ratio.dtype), _segment_ids(seq_index_BS, mask))
-        ratio = torch.exp(log_ratio)
+        ratio = torch.exp(_is_log_ratio(train_logp_BS, rollout_logp_BS, mask, level, seq_index_BS))
         keep = (ratio >= low) & (ratio <= high)
         new_mask = mask * keep.to(mask.dtype)
         return new_mask, 1.0 - _masked_fraction(keep, mask)
@@ -552,11 +714,14 @@ __all__ = [
     "masked_moments",
     "mean_var_from_moments",
     "mismatch_metrics",
+    "overlong_reward",
     "policy_loss",
     "reduce_loss",
     "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
+    "rloo_advantages",
     "sample_advantages",
+    "terminal_rewards",
     "truncated_is_weights",
     "value_loss",
     "whiten",

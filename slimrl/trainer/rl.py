@@ -20,7 +20,7 @@ from slimrl.trainer.batch import MicroBatch, TrainBatch
 from slimrl.trainer.logprobs import token_logprobs
 
 if TYPE_CHECKING:
-    from slimrl.config.schema import SlimConfig
+    from slimrl.config.schema import AlgorithmConfig, SlimConfig
     from slimrl.trainer.actor import MegatronActor
 
 ROLLOUT_LOGP, OLD_LOGP, REF_LOGP, ADVANTAGES = "rollout_log_probs", "old_logp", "ref_logp", "advantages"
@@ -100,7 +100,7 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     elif not fused_old_logprobs(actor.config):
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
-    if algo.advantage_estimator in ("reinforce_plus_plus", "ppo"):
+    if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS:
         _token_level_advantages(actor, batch)
     if _last_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
@@ -111,12 +111,12 @@ def fused_old_logprobs(config: SlimConfig) -> bool:
     """With one optimizer step per rollout, the old policy is the policy being trained: the
     training forward's own logprobs, detached, serve as the old logprobs and the separate
     forward-only pass is skipped (ratio exactly 1, same gradient). Estimators that need the old
-    logprobs before training (REINFORCE++ returns with a KL penalty) keep the pass."""
+    logprobs before training (returns with a KL reward penalty, PPO) keep the pass."""
     algo = config.algorithm
     return (
         config.train.steps_per_rollout == 1
         and not algo.use_rollout_logprobs
-        and algo.advantage_estimator not in ("reinforce_plus_plus", "ppo")
+        and algo.advantage_estimator != "ppo"
         and algo.kl_coef == 0
     )
 
@@ -144,33 +144,136 @@ def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 
 
 def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
-    """REINFORCE++: discounted returns of (final reward - per-token KL penalty), whitened over the
-    whole batch (moments all-reduced over DP)."""
+    """REINFORCE++ and REINFORCE++-baseline (Hu et al. 2025): discounted returns of (final score -
+    per-token KL penalty) over the loss-masked tokens, whitened over the whole batch's loss tokens
+    (moments all-reduced over DP). The baseline's score is the group-centred reward."""
     algo = actor.config.algorithm
     if algo.advantage_estimator == "ppo":
         from slimrl.errors import ConfigError
 
         raise ConfigError("algorithm.advantage_estimator=ppo: the critic is not available in this build")
-    old, mask = _padded(batch.per_token[OLD_LOGP])
-    rewards = torch.zeros_like(old)
+    # Time steps are the loss-masked tokens: prompt, padding and multi-turn tool/observation tokens
+    # (loss mask 0) are not actions, so they get no reward, no KL penalty, no return and stay out of
+    # the whitening statistics; the score sits on the last loss-masked token.
+    mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
+    kl_penalty = None
     if algo.kl_coef > 0:
+        old, _ = _padded(batch.per_token[OLD_LOGP])
         ref, _ = _padded(batch.per_token[REF_LOGP])
-        rewards -= algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator) * mask
-    lengths = mask.sum(-1).long()
-    scores = [s[0] if s else 0.0 for s in batch.per_token[ADVANTAGES]]  # driver put the sample score
-    for row, n in enumerate(lengths.tolist()):
-        if n:
-            rewards[row, n - 1] += scores[row]
+        kl_penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
+    # The driver put the sample's score (raw reward; group-centred for the baseline) on every token.
+    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[ADVANTAGES]], dtype=torch.float64)
+    rewards = alg.terminal_rewards(scores, mask, kl_penalty)
     returns = alg.reinforce_plus_plus_returns(rewards, mask, algo.gamma)
     total, total_sq, count = alg.masked_moments(returns, mask)
     summed = _dp_sum(actor, {"s": float(total), "sq": float(total_sq), "n": float(count)})
+    f64 = torch.float64  # the moments are float64 sums; a default float32 tensor would round them
     mean, var = alg.mean_var_from_moments(
-        torch.tensor(summed["s"]), torch.tensor(summed["sq"]), torch.tensor(summed["n"])
+        torch.tensor(summed["s"], dtype=f64),
+        torch.tensor(summed["sq"], dtype=f64),
+        torch.tensor(summed["n"], dtype=f64),
     )
     advantages = alg.whiten(returns, mask, mean, var)
     batch.per_token[ADVANTAGES] = [
-        advantages[row, : int(n)].tolist() for row, n in enumerate(lengths.tolist())
+        advantages[row, :n].tolist() for row, n in enumerate(batch.response_lengths)
     ]
+
+
+def loss_normaliser_tokens(config: SlimConfig) -> float:
+    """The constant of `loss_reduction: seq_mean_token_sum_norm` (Dr.GRPO): `algorithm.loss_norm_tokens`,
+    else the maximum response length `rollout.sampling.max_new_tokens`."""
+    norm = config.algorithm.loss_norm_tokens
+    return float(norm if norm is not None else config.rollout.sampling.max_new_tokens)
+
+
+def step_counts(loss_masks: list[list[int]]) -> dict[str, float]:
+    """This rank's share of the step's normalisers: loss tokens, and sequences with at least one loss
+    token (a sample whose mask is all zero, e.g. `Sample.remove_sample` or overlong filtering, is out
+    of training and does not dilute the sequence mean)."""
+    return {
+        "tokens": float(sum(sum(m) for m in loss_masks)),
+        "seqs": float(sum(1 for m in loss_masks if any(m))),
+    }
+
+
+def rl_loss(
+    algo: AlgorithmConfig,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    per_token: dict[str, torch.Tensor],
+    *,
+    global_tokens: float,
+    global_seqs: float,
+    norm_tokens: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's RL loss (its share of the step loss) and its report sums.
+
+    Policy loss, KL loss and entropy bonus all use `algorithm.loss_reduction` with the step's global
+    normalisers, so micro-batch losses add up to the step loss whatever the cut.
+    """
+    mask = loss_mask
+    report: dict[str, torch.Tensor] = {}
+    is_weights = None
+    rollout_lp = per_token.get(ROLLOUT_LOGP)
+    old = per_token.get(OLD_LOGP)
+    if old is None:  # fused_old_logprobs: this forward runs the old policy
+        old = logp.detach()
+        if rollout_lp is not None:
+            stats = alg.logprob_mismatch_stats(old, rollout_lp, mask)
+            report.update({f"{MISMATCH}{k}": v for k, v in stats.items()})
+    if algo.tis and rollout_lp is not None:
+        is_weights = alg.truncated_is_weights(
+            old,
+            rollout_lp,
+            algo.tis_clip_low,
+            algo.tis_clip_high,
+            level=algo.tis_level,
+            mask_BS=mask,
+            seq_index_BS=seq_index,
+        )
+        report["tis_weight_sum"] = (is_weights * mask).sum().detach()
+    if algo.mis and rollout_lp is not None:
+        mask, dropped = alg.masked_is(
+            old, rollout_lp, mask, algo.mis_low, algo.mis_high, algo.mis_level, seq_index
+        )
+        report["mis_dropped_sum"] = dropped.detach() * loss_mask.sum()
+    reduce: dict[str, Any] = {
+        "reduction": algo.loss_reduction,
+        "global_seqs": global_seqs,
+        "seq_index_BS": seq_index,
+        "norm_tokens": norm_tokens,
+    }
+    pg, stats = alg.policy_loss(
+        logp,
+        old,
+        per_token[ADVANTAGES],
+        mask,
+        eps_clip=algo.eps_clip,
+        eps_clip_high=algo.eps_clip_high,
+        dual_clip_c=algo.dual_clip_c,
+        level="sequence" if algo.advantage_estimator == "gspo" else "token",
+        global_tokens=global_tokens,
+        is_weights_BS=is_weights,
+        **reduce,
+    )
+    loss = pg
+    report["pg_loss"] = pg.detach()
+    tokens = stats["tokens"]
+    report["tokens"] = tokens.detach()
+    report["clipfrac_sum"] = (stats["clipfrac"] * tokens).detach()
+    report["ppo_kl_sum"] = (stats["ppo_kl"] * tokens).detach()
+    if algo.kl_loss_coef > 0:
+        kl = alg.kl_loss(logp, per_token[REF_LOGP], mask, algo.kl_estimator, global_tokens, **reduce)
+        loss = loss + algo.kl_loss_coef * kl
+        report["kl_loss"] = kl.detach()
+    if entropy is not None:
+        bonus = alg.entropy_bonus(entropy, mask, global_tokens, **reduce)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * bonus
+        report["entropy"] = bonus.detach()
+    return loss, report
 
 
 def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
@@ -178,65 +281,25 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     algo = actor.config.algorithm
     state = actor.state
     assert state is not None
-    global_counts = _dp_sum(
-        actor, {"tokens": float(sum(sum(m) for m in batch.loss_masks)), "seqs": float(len(batch))}
-    )
+    global_counts = _dp_sum(actor, step_counts(batch.loss_masks))
+    norm_tokens = loss_normaliser_tokens(actor.config)
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
 
     megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor):
         logp, entropy = policy_logprobs(actor, mb, output, need_entropy)
-        mask = mb.loss_mask_BS
-        report: dict[str, torch.Tensor] = {}
-        is_weights = None
-        rollout_lp = mb.per_token_BS.get(ROLLOUT_LOGP)
-        old = mb.per_token_BS.get(OLD_LOGP)
-        if old is None:  # fused_old_logprobs: this forward runs the old policy
-            old = logp.detach()
-            if rollout_lp is not None:
-                stats = alg.logprob_mismatch_stats(old, rollout_lp, mask)
-                report.update({f"{MISMATCH}{k}": v for k, v in stats.items()})
-        if algo.tis and rollout_lp is not None:
-            is_weights = alg.truncated_is_weights(old, rollout_lp, algo.tis_clip_low, algo.tis_clip_high)
-            report["tis_weight_sum"] = (is_weights * mask).sum().detach()
-        if algo.mis and rollout_lp is not None:
-            mask, dropped = alg.masked_is(
-                old, rollout_lp, mask, algo.mis_low, algo.mis_high, algo.mis_level, mb.seq_index_BS
-            )
-            report["mis_dropped_sum"] = dropped.detach() * mb.loss_mask_BS.sum()
-        pg, stats = alg.policy_loss(
+        loss, report = rl_loss(
+            algo,
             logp,
-            old,
-            mb.per_token_BS[ADVANTAGES],
-            mask,
-            eps_clip=algo.eps_clip,
-            eps_clip_high=algo.eps_clip_high,
-            dual_clip_c=algo.dual_clip_c,
-            seq_index_BS=mb.seq_index_BS,
-            level="sequence" if algo.advantage_estimator == "gspo" else "token",
-            reduction=algo.loss_reduction,
+            entropy,
+            mb.loss_mask_BS,
+            mb.seq_index_BS,
+            mb.per_token_BS,
             global_tokens=global_counts["tokens"],
             global_seqs=global_counts["seqs"],
-            is_weights_BS=is_weights,
+            norm_tokens=norm_tokens,
         )
-        loss = pg
-        report["pg_loss"] = pg.detach()
-        tokens = stats["tokens"]
-        report["tokens"] = tokens.detach()
-        report["clipfrac_sum"] = (stats["clipfrac"] * tokens).detach()
-        report["ppo_kl_sum"] = (stats["ppo_kl"] * tokens).detach()
-        if algo.kl_loss_coef > 0:
-            kl = alg.kl_loss(
-                logp, mb.per_token_BS[REF_LOGP], mask, algo.kl_estimator, global_counts["tokens"]
-            )
-            loss = loss + algo.kl_loss_coef * kl
-            report["kl_loss"] = kl.detach()
-        if entropy is not None:
-            bonus = alg.entropy_bonus(entropy, mask, global_counts["tokens"])
-            if algo.entropy_coef > 0:
-                loss = loss - algo.entropy_coef * bonus
-            report["entropy"] = bonus.detach()
         return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
     for chunk in state.model:

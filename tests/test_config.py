@@ -135,3 +135,105 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
             load_config(
                 path, [f"model.hf_checkpoint={moe}", f"data.prompt_data={mod_sum_data}", "cluster.device=cpu"]
             )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (
+            ["algorithm.advantage_estimator=gspo"],
+            "algorithm.loss_reduction=token_mean: advantage_estimator=gspo is the mean over sequences of "
+            "the sequence-level objective; set algorithm.loss_reduction=seq_mean_token_mean",
+        ),
+        (
+            ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_sum_norm"],
+            "algorithm.loss_reduction=seq_mean_token_sum_norm: advantage_estimator=gspo",
+        ),
+        (
+            ["algorithm.advantage_estimator=rloo", "rollout.n_samples_per_prompt=1"],
+            "rollout.n_samples_per_prompt=1: rloo needs groups of at least 2 samples",
+        ),
+        (
+            ["algorithm.advantage_estimator=reinforce_plus_plus_baseline", "rollout.n_samples_per_prompt=1"],
+            "reinforce_plus_plus_baseline needs groups of at least 2 samples",
+        ),
+        (
+            ["algorithm.advantage_estimator=rloo", "algorithm.normalize_std=false"],
+            "algorithm.normalize_std=false: only grpo/gspo divide by the group std",
+        ),
+        (
+            ["algorithm.kl_coef=0.05"],
+            "algorithm.kl_coef=0.05: the KL reward penalty needs a token-level estimator "
+            "(reinforce_plus_plus, reinforce_plus_plus_baseline, ppo); with advantage_estimator=grpo use "
+            "algorithm.kl_loss_coef",
+        ),
+        (["algorithm.gamma=0.9"], "algorithm.gamma=0.9: discounts token-level returns"),
+        (
+            ["algorithm.advantage_estimator=reinforce_plus_plus", "algorithm.lambd=0.95"],
+            "algorithm.lambd=0.95: the GAE lambda applies to advantage_estimator=ppo only",
+        ),
+        (
+            ["algorithm.loss_reduction=seq_mean_token_sum_norm", "algorithm.loss_norm_tokens=0"],
+            "algorithm.loss_norm_tokens=0: must be a positive number of tokens",
+        ),
+        (
+            ["algorithm.tis_clip_low=2.0", "algorithm.tis_clip_high=1.0"],
+            "algorithm.tis_clip_low=2.0: must satisfy 0 <= tis_clip_low <= tis_clip_high",
+        ),
+        (["algorithm.mis_low=2.0"], "algorithm.mis_low=2.0: must satisfy 0 <= mis_low < mis_high"),
+        (
+            ["algorithm.tis=true", "algorithm.use_rollout_logprobs=true"],
+            "algorithm.tis=true: corrects the trainer's old logprobs against the rollout's",
+        ),
+        (
+            ["algorithm.overlong_buffer_len=100", "rollout.sampling.max_new_tokens=64"],
+            "algorithm.overlong_buffer_len=100: the soft overlong buffer must be 1..64 tokens",
+        ),
+        (
+            ["rollout.dynamic_sampling_std_threshold=0.1"],
+            "set rollout.dynamic_sampling_filter_path=slimrl.rollout.filters.nonzero_reward_std",
+        ),
+        (["algorithm.mis_level=seq"], "algorithm.mis_level=seq: not one of token, sequence, geometric"),
+        (["algorithm.tis_level=geometric"], "algorithm.tis_level=geometric: not one of token, sequence"),
+        (["algorithm.grpo_std=sample"], "algorithm.grpo_std=sample: not one of unbiased, population"),
+        (["algorithm.advantage_estimator=dr_grpo"], "algorithm.advantage_estimator=dr_grpo: not one of grpo"),
+    ],
+    ids=lambda v: v[-1] if isinstance(v, list) else None,
+)
+def test_undefined_algorithm_combinations_are_refused_in_one_line(moe, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, _base(moe, *overrides))
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_mean"],
+        ["algorithm.advantage_estimator=rloo", "algorithm.grpo_std=population"],
+        ["algorithm.normalize_std=false", "algorithm.loss_reduction=seq_mean_token_sum_norm"],  # Dr.GRPO
+        [
+            "algorithm.advantage_estimator=reinforce_plus_plus_baseline",
+            "algorithm.kl_coef=0.01",
+            "algorithm.gamma=0.99",
+        ],
+        [  # DAPO
+            "algorithm.eps_clip_high=0.28",
+            "algorithm.overlong_buffer_len=16",
+            "algorithm.overlong_filtering=true",
+            "rollout.dynamic_sampling_filter_path=slimrl.rollout.filters.nonzero_reward_std",
+            "rollout.dynamic_sampling_std_threshold=0.1",
+        ],
+        [
+            "algorithm.tis=true",
+            "algorithm.tis_level=sequence",
+            "algorithm.mis=true",
+            "algorithm.mis_level=geometric",
+        ],
+    ],
+    ids=lambda o: o[0].split(".")[-1],
+)
+def test_defined_algorithm_combinations_load(moe, overrides):
+    load_config(None, _base(moe, *overrides))

@@ -106,6 +106,15 @@ def test_offload_cycle_is_byte_identical(tmp_path, tiny_model, reference):
             "algorithm.entropy_coef=0.01",
         ],
         ["algorithm.advantage_estimator=reinforce_plus_plus", "algorithm.kl_coef=0.05"],
+        ["algorithm.advantage_estimator=reinforce_plus_plus_baseline"],
+        [  # Dr.GRPO's constant normaliser, sequence-level TIS, Geo-RS, KL loss under the same reduction
+            "algorithm.loss_reduction=seq_mean_token_sum_norm",
+            "algorithm.tis=true",
+            "algorithm.tis_level=sequence",
+            "algorithm.mis=true",
+            "algorithm.mis_level=geometric",
+            "algorithm.kl_loss_coef=0.1",
+        ],
     ],
     ids=lambda o: o[0].split("=")[-1],
 )

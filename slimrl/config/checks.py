@@ -126,6 +126,7 @@ def check_config(config: SlimConfig) -> None:
     _check_fp8_rollout(config)
     _check_parallel(config)
     _check_algorithm(config)
+    _check_critic(config)
 
 
 def _check_paths(config: SlimConfig) -> None:
@@ -320,3 +321,36 @@ def _check_estimator(config: SlimConfig) -> None:
             f"rollout.dynamic_sampling_std_threshold={threshold}: read by the dynamic-sampling filter; set "
             "rollout.dynamic_sampling_filter_path=slimrl.rollout.filters.nonzero_reward_std"
         )
+
+
+def _check_critic(config: SlimConfig) -> None:
+    """PPO needs a value model and only PPO has one: `critic.*` is refused without it."""
+    critic = config.critic
+    ppo = config.algorithm.loss == "policy" and config.algorithm.advantage_estimator == "ppo"
+    if not ppo:
+        from slimrl.config.schema import CriticConfig
+
+        default = CriticConfig()
+        changed = [f"critic.{k}" for k in CriticConfig.__slots__ if getattr(critic, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)}: a critic is trained only with algorithm.advantage_estimator=ppo "
+                f"(got {config.algorithm.advantage_estimator} with loss {config.algorithm.loss}); "
+                f"remove the critic settings or use ppo"
+            )
+        return
+    if critic.lr is None or critic.lr <= 0:
+        raise ConfigError(
+            f"critic.lr={'null' if critic.lr is None else critic.lr}: algorithm.advantage_estimator=ppo "
+            f"trains a value model and needs its learning rate (e.g. critic.lr=1e-5, > 0)"
+        )
+    if critic.value_clip <= 0:
+        raise ConfigError(f"critic.value_clip={critic.value_clip}: must be > 0")
+    steps = config.train.num_steps
+    if not 0 <= critic.warmup_steps < steps:
+        raise ConfigError(
+            f"critic.warmup_steps={critic.warmup_steps}: must be in 0..{steps - 1} "
+            f"(train.num_steps={steps}: the policy must update at least once)"
+        )
+    if critic.load is not None and not Path(critic.load).exists():
+        raise ConfigError(f"critic.load={critic.load}: file not found")

@@ -109,6 +109,7 @@ _PATH_KEYS = (
     ("model", "hf_checkpoint"),
     ("model", "load"),
     ("model", "ref_load"),
+    ("critic", "load"),
     ("data", "prompt_data"),
     ("checkpoint", "save_dir"),
 )

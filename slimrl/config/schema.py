@@ -333,6 +333,26 @@ class TrainConfig:
 
 
 @_section
+class CriticConfig:
+    """The PPO value model: a second Megatron model with a scalar head, trained beside the policy on
+    the same ranks and layout. Used only with `algorithm.advantage_estimator: ppo`, which needs `lr`."""
+
+    lr: float | None = None
+    """Learning rate of the critic's own optimizer; required with ppo, null otherwise. The other
+    optimizer settings (Adam betas, weight decay, gradient clip) and the shape of the LR schedule are
+    those of `train.optimizer` and `train.lr_schedule`."""
+    min_lr: float = 0.0
+    """Floor of the critic's learning rate under a decaying `train.lr_schedule`."""
+    warmup_steps: int = 0
+    """Rollout steps at the start in which only the critic trains; the policy updates after them."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the values the rollout was scored with."""
+    load: str | None = None
+    """Megatron checkpoint of a value model to start from (a run's `checkpoints/iter_N/critic`); null:
+    the policy's initial weights with a fresh value head (zeros, so the first values are 0)."""
+
+
+@_section
 class CheckpointConfig:
     save_dir: str | None = None
     """Megatron checkpoint directory (null: `<run dir>/checkpoints`)."""
@@ -378,6 +398,7 @@ class SlimConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

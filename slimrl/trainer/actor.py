@@ -30,6 +30,7 @@ from slimrl.trainer.batch import (
     split_by_tokens,
     split_fixed,
 )
+from slimrl.trainer.critic import Critic
 from slimrl.trainer.distributed import RankInfo, init_distributed, use_cuda
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
 from slimrl.trainer.offload import Offloader
@@ -49,6 +50,8 @@ class MegatronActor:
         self.options: BuildOptions | None = None
         self.weights: WeightStore | None = None
         self.offloader: Offloader | None = None
+        self.critic: Critic | None = None
+        """The PPO value model on the same ranks (`advantage_estimator: ppo` only)."""
         self.steps_done = 0
         self.oom_retries = 0
 
@@ -74,7 +77,11 @@ class MegatronActor:
             self.weights.save("ref")  # the initial policy, kept in host memory
         self.offloader = Offloader(self.state.model, self.state.optimizer)
         num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-        return {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
+        summary = {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
+        if algo.loss == "policy" and algo.advantage_estimator == "ppo":
+            self.critic = Critic.build(self.config, self.arch, self.layout, options, chunks, total_steps)
+            summary["critic_local_params"] = self.critic.num_params
+        return summary
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -109,11 +116,11 @@ class MegatronActor:
         same_length = max(len(t) for t in batch.tokens) if uniform_shapes(self.layout, self.options) else 0
         return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
 
-    def with_oom_retry(self, run, batch: TrainBatch):
+    def with_oom_retry(self, run, batch: TrainBatch, model: list[Any] | None = None):
         """`run(micro_batches)` with OOM recovery: every rank agrees on failure (an all-reduced
-        flag), gradients are dropped, and the step is redone with micro-batches half as big, up to
-        `train.oom_max_splits` times. Exact when the OOM strikes outside a collective (the usual
-        site in RL: the logits); a step is never silently skipped."""
+        flag), gradients (of `model`, default the policy) are dropped, and the step is redone with
+        micro-batches half as big, up to `train.oom_max_splits` times. Exact when the OOM strikes
+        outside a collective (the usual site in RL: the logits); a step is never silently skipped."""
         import torch.distributed as dist
 
         budget = self.config.train.max_tokens_per_gpu
@@ -138,7 +145,7 @@ class MegatronActor:
                 attempt + 1,
                 budget,
             )
-            for chunk in self._chunks:
+            for chunk in model or self._chunks:
                 chunk.zero_grad_buffer()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -158,10 +165,17 @@ class MegatronActor:
         return int(tensor.item())
 
     def _forward_backward(
-        self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool, with_labels: bool = True
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn,
+        forward_only: bool,
+        with_labels: bool = True,
+        model: list[Any] | None = None,
     ) -> list[dict]:
+        """Megatron's pipeline schedule over `model`'s chunks (default: the policy's)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        chunks = model or self._chunks
         inject = self.config.train.inject_oom_above_tokens
 
         def forward_step(data_iterator, model):
@@ -172,12 +186,12 @@ class MegatronActor:
             output = model(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
             return output, partial(loss_fn, mb)
 
-        iterators = [iter(micro_batches) for _ in self._chunks]
+        iterators = [iter(micro_batches) for _ in chunks]
         longest = max(mb.tokens_BS.shape[1] for mb in micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self._chunks,
+            model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=longest,
             micro_batch_size=max(mb.num_seqs for mb in micro_batches),
@@ -280,11 +294,16 @@ class MegatronActor:
         """Give the device back to the rollout engines (colocated runs); with `keep_params` the
         parameters stay for the weight sync."""
         assert self.offloader is not None
-        return self.offloader.offload(keep_params)
+        freed = self.offloader.offload(keep_params)
+        if self.critic is not None:  # never synced to the engines: its parameters go at once
+            freed += self.critic.offloader.offload()
+        return freed
 
     def onload(self) -> None:
         assert self.offloader is not None
         self.offloader.onload()
+        if self.critic is not None:
+            self.critic.offloader.onload()
 
     def state_digests(self) -> dict[str, str]:
         """sha256 of parameters, gradient buffers and optimizer state: an offload/onload cycle
@@ -292,9 +311,11 @@ class MegatronActor:
         from slimrl.trainer.offload import _bytes_of, _storages
 
         assert self.state is not None
+        states = [self.state] + ([self.critic.state] if self.critic is not None else [])
+        storages = [s for state in states for s in _storages(state.model, state.optimizer)]
         return {
             str(i): hashlib.sha256(_bytes_of(s).clone().numpy().tobytes()).hexdigest()  # clone: numpy() pins
-            for i, s in enumerate(_storages(self.state.model, self.state.optimizer))
+            for i, s in enumerate(storages)
         }
 
     # ---------------------------------------------------------------- inspection

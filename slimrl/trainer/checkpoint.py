@@ -4,6 +4,8 @@ distributed checkpointing, written atomically.
 Layout under `checkpoint.save_dir`:
 
     iter_0000004/      a complete checkpoint (torch_dist files + driver_state.json + rng_rank*.pt)
+        critic/        PPO only: the value model's own torch_dist checkpoint (model, optimizer,
+                       schedule); its keys are the policy's, so it cannot share the directory
     latest             text file naming the newest complete checkpoint
 
 All ranks write into a temporary sibling directory; the driver adds its own state (rollout id,
@@ -28,9 +30,11 @@ from slimrl.utils.fs import atomic_write_text
 
 if TYPE_CHECKING:
     from slimrl.trainer.actor import MegatronActor
+    from slimrl.trainer.model import TrainState
 
 LATEST = "latest"
 DRIVER_STATE = "driver_state.json"
+CRITIC = "critic"
 # Optimizer state layout: no gathers at save time; resharding over data-parallel ranks only.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -74,29 +78,37 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _train_state(actor: MegatronActor, is_loading: bool) -> dict[str, Any]:
+def _train_state(train_state: TrainState, is_loading: bool) -> dict[str, Any]:
     from slimrl.megatron_bridge.dist_ckpt import sharded_model_state
 
-    assert actor.state is not None
-    model = sharded_model_state(actor.state.model)
-    optimizer = actor.state.optimizer.sharded_state_dict(
+    model = sharded_model_state(train_state.model)
+    optimizer = train_state.optimizer.sharded_state_dict(
         model, is_loading=is_loading, metadata=OPTIMIZER_METADATA
     )
     return {**model, "optimizer": optimizer}
 
 
-def save_train_state(actor: MegatronActor, directory: Path) -> None:
-    """All ranks: write this rank's share of the training state into `directory`."""
-    import torch.distributed as dist
+def _save(train_state: TrainState, directory: Path, extra: dict[str, Any]) -> None:
     from megatron.core import dist_checkpointing
 
     from slimrl.megatron_bridge.dist_ckpt import sync_save_strategy
 
-    assert actor.state is not None
-    state = _train_state(actor, is_loading=False)
-    state["scheduler"] = actor.state.scheduler.state_dict()
-    state["steps_done"] = actor.steps_done
+    state = _train_state(train_state, is_loading=False)
+    state["scheduler"] = train_state.scheduler.state_dict()
+    state.update(extra)
     dist_checkpointing.save(state, str(directory), sharded_strategy=sync_save_strategy())
+
+
+def save_train_state(actor: MegatronActor, directory: Path) -> None:
+    """All ranks: write this rank's share of the training state (and the critic's) into `directory`."""
+    import torch.distributed as dist
+
+    assert actor.state is not None
+    _save(actor.state, directory, {"steps_done": actor.steps_done})
+    if actor.critic is not None:
+        (directory / CRITIC).mkdir(exist_ok=True)  # every rank: the directory may not be shared
+        dist.barrier()
+        _save(actor.critic.state, directory / CRITIC, {})
     torch.save(_rng_state(), directory / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
 
@@ -121,23 +133,38 @@ def _restore_adam_step(optimizer: Any, updates: int) -> None:
                 state["step"] = torch.tensor(float(updates), dtype=state["step"].dtype)
 
 
-def load_train_state(actor: MegatronActor, directory: Path) -> None:
-    """All ranks: restore model, optimizer, schedule (and RNG when the world size matches)."""
-    import torch.distributed as dist
+def _load(train_state: TrainState, directory: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Restore model, optimizer and schedule of `train_state`; returns the `extra` plain values."""
     from megatron.core import dist_checkpointing
 
-    assert actor.state is not None
-    _materialise_optimizer_state(actor.state.optimizer)
-    state = _train_state(actor, is_loading=True)
+    _materialise_optimizer_state(train_state.optimizer)
+    state = _train_state(train_state, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
-    modules = [getattr(c, "module", c) for c in actor.state.model]
+    modules = [getattr(c, "module", c) for c in train_state.model]
     for index, module in enumerate(modules):
         module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{index}"], strict=True)
     with torch.no_grad():  # fp32 runs step the parameters themselves: they are leaves requiring grad
-        actor.state.optimizer.load_state_dict(loaded["optimizer"])
-    actor.state.scheduler.load_state_dict(loaded["scheduler"])
-    _restore_adam_step(actor.state.optimizer, actor.state.scheduler.num_steps)
-    actor.steps_done = int(loaded["steps_done"])
+        train_state.optimizer.load_state_dict(loaded["optimizer"])
+    train_state.scheduler.load_state_dict(loaded["scheduler"])
+    _restore_adam_step(train_state.optimizer, train_state.scheduler.num_steps)
+    return {key: loaded[key] for key in extra}
+
+
+def load_train_state(actor: MegatronActor, directory: Path) -> None:
+    """All ranks: restore model, optimizer, schedule, the critic's (and RNG when the world size matches)."""
+    import torch.distributed as dist
+
+    from slimrl.errors import SlimError
+
+    assert actor.state is not None
+    if actor.critic is not None and not (directory / CRITIC).is_dir():
+        raise SlimError(
+            f"{directory}: no {CRITIC}/ in this checkpoint (saved without a critic); to start PPO from "
+            f"its weights set model.load={directory} and checkpoint.resume=false"
+        )
+    actor.steps_done = int(_load(actor.state, directory, ("steps_done",))["steps_done"])
+    if actor.critic is not None:
+        _load(actor.critic.state, directory / CRITIC)
     rng = directory / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from slimrl.config.schema import OptimizerConfig as OptimizerSettings
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.megatron_config import (
@@ -35,9 +36,18 @@ def build_options(config: SlimConfig, use_cuda: bool) -> BuildOptions:
 
 
 def build_gpt_chunks(
-    arch: ModelArch, layout: ParallelLayout, options: BuildOptions, max_seq_len: int
+    arch: ModelArch,
+    layout: ParallelLayout,
+    options: BuildOptions,
+    max_seq_len: int,
+    *,
+    value_head: bool = False,
 ) -> list[Any]:
-    """One GPTModel per virtual pipeline stage held by this rank (one without VPP)."""
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP).
+
+    `value_head` builds the PPO critic: the same model with its LM head (on the last pipeline stage)
+    replaced by a `ValueHead`, and word embeddings never tied to it.
+    """
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
@@ -45,21 +55,68 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None
-        chunks.append(
-            GPTModel(
-                config=tconfig,
-                transformer_layer_spec=layer_spec(tconfig, options, vp_stage=stage),
-                vocab_size=padded_vocab_size(arch.vocab_size, layout.tp),
-                max_sequence_length=max(max_seq_len, arch.max_position_embeddings),
-                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_base=int(arch.rope_theta),
-                vp_stage=stage,
-            )
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunk = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=layer_spec(tconfig, options, vp_stage=stage),
+            vocab_size=padded_vocab_size(arch.vocab_size, layout.tp),
+            max_sequence_length=max(max_seq_len, arch.max_position_embeddings),
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            vp_stage=stage,
         )
+        if value_head and post_process:
+            # GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` and
+            # returns its output as [B, S, 1]: the head slots in where the vocabulary projection was.
+            chunk.output_layer = ValueHead(arch.hidden_size, options.params_dtype, layout.sequence_parallel)
+        chunks.append(chunk)
     return chunks
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: one scalar per position, `hidden_SBH @ weight.T + bias`.
+
+    Replicated over tensor-parallel ranks. Under sequence parallelism the hidden states are gathered
+    first and the backward of the gather only splits (no reduce-scatter): every TP rank computes the
+    same values from the same full sequence, so its input and weight gradients are already complete
+    and identical, and nothing is all-reduced over TP (Megatron's grad norm counts the duplicate
+    once). The head starts at zero, identical on every rank without communication.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(
+        self, hidden_SBH: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_SBH, self.weight, self.bias), None
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Replicated over TP and DP: one copy is written (Megatron's default for a plain module
+        would mark every TP rank as the main replica)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {},
+            sharded_offsets,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+        )
 
 
 def freeze(chunks: list[Any], patterns: list[str]) -> int:
@@ -85,7 +142,9 @@ def _wire_schedule_hooks(model: list[Any]) -> None:
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
 
 
-def optimizer_config_kwargs(config: SlimConfig, options: BuildOptions, use_cuda: bool) -> dict[str, Any]:
+def optimizer_config_kwargs(
+    config: SlimConfig, options: BuildOptions, use_cuda: bool, opt: OptimizerSettings | None = None
+) -> dict[str, Any]:
     """Keyword arguments of megatron-core's `OptimizerConfig` for this run.
 
     `train.optimizer.cpu_offload` on GPU is Megatron-LM's `--optimizer-cpu-offload
@@ -96,7 +155,7 @@ def optimizer_config_kwargs(config: SlimConfig, options: BuildOptions, use_cuda:
     distributed optimizer. On CPU the optimizer state already lives in host memory, and the hybrid
     optimizer moves tensors between CUDA streams: the setting is a no-op there.
     """
-    opt = config.train.optimizer
+    opt = opt or config.train.optimizer
     use_dist_opt = config.parallel.use_distributed_optimizer
     kwargs: dict[str, Any] = dict(
         optimizer=opt.name,
@@ -133,8 +192,14 @@ class TrainState:
 
 
 def build_train_state(
-    config: SlimConfig, chunks: list[Any], options: BuildOptions, total_steps: int
+    config: SlimConfig,
+    chunks: list[Any],
+    options: BuildOptions,
+    total_steps: int,
+    opt: OptimizerSettings | None = None,
 ) -> TrainState:
+    """DDP wrappers, Megatron optimizer and LR schedule for `chunks`; `opt` replaces
+    `train.optimizer` (the critic's own learning rate), the schedule's shape stays `train.lr_schedule`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -151,9 +216,9 @@ def build_train_state(
         for index, chunk in enumerate(chunks)
     ]
     _wire_schedule_hooks(model)
-    opt = config.train.optimizer
+    opt = opt or config.train.optimizer
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(**optimizer_config_kwargs(config, options, torch.cuda.is_available())), model
+        OptimizerConfig(**optimizer_config_kwargs(config, options, torch.cuda.is_available(), opt)), model
     )
     schedule = config.train.lr_schedule
     decay_steps = max(schedule.decay_steps or total_steps, 1)

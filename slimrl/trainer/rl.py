@@ -100,8 +100,8 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     elif not fused_old_logprobs(actor.config):
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
-    if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS:
-        _token_level_advantages(actor, batch)
+    if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
+        _token_level_advantages(actor, batch)  # ppo: GAE on the critic's values (`ppo.py`)
     if _last_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
@@ -110,15 +110,11 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 def fused_old_logprobs(config: SlimConfig) -> bool:
     """With one optimizer step per rollout, the old policy is the policy being trained: the
     training forward's own logprobs, detached, serve as the old logprobs and the separate
-    forward-only pass is skipped (ratio exactly 1, same gradient). Estimators that need the old
-    logprobs before training (returns with a KL reward penalty, PPO) keep the pass."""
+    forward-only pass is skipped (ratio exactly 1, same gradient). Returns with a KL reward
+    penalty need the old logprobs before training and keep the pass (PPO's GAE needs only the
+    critic's values, see `ppo.py`)."""
     algo = config.algorithm
-    return (
-        config.train.steps_per_rollout == 1
-        and not algo.use_rollout_logprobs
-        and algo.advantage_estimator != "ppo"
-        and algo.kl_coef == 0
-    )
+    return config.train.steps_per_rollout == 1 and not algo.use_rollout_logprobs and algo.kl_coef == 0
 
 
 def _padded(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +144,6 @@ def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
     per-token KL penalty) over the loss-masked tokens, whitened over the whole batch's loss tokens
     (moments all-reduced over DP). The baseline's score is the group-centred reward."""
     algo = actor.config.algorithm
-    if algo.advantage_estimator == "ppo":
-        from slimrl.errors import ConfigError
-
-        raise ConfigError("algorithm.advantage_estimator=ppo: the critic is not available in this build")
     # Time steps are the loss-masked tokens: prompt, padding and multi-turn tool/observation tokens
     # (loss mask 0) are not actions, so they get no reward, no KL penalty, no return and stay out of
     # the whitening statistics; the score sits on the last loss-masked token.
@@ -341,6 +333,10 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 
 def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     """prepare() then `steps_per_rollout` optimizer steps on equal slices of the batch."""
+    if actor.critic is not None:  # PPO: GAE on the critic's values, critic and policy steps
+        from slimrl.trainer import ppo
+
+        return ppo.train_rollout(actor, batch)
     start = time.perf_counter()
     metrics = prepare(actor, batch)
     steps = actor.config.train.steps_per_rollout

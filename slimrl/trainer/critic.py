@@ -1,0 +1,179 @@
+"""The PPO critic: a Megatron value model trained beside the policy, on the same ranks and layout.
+
+The critic is the policy's model built by the same code (`model.build_gpt_chunks(value_head=True)`:
+same TP/PP/VPP/EP layout, distributed optimizer) with a scalar `ValueHead` where the LM head was,
+its own optimizer and learning rate (`critic.lr`), its own offloader, and its own `critic/`
+directory inside every checkpoint (`checkpoint.py`). Its body starts as a copy of the policy's
+initial weights and its head at zero, or from `critic.load`.
+
+Values are aligned like logprobs (`batch.py`): the value at a response token is V(s_t), the value of
+the state in which the policy emitted that token (the hidden state of the position before it).
+
+Shapes: B = rows of a micro-batch, S = positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slimrl.trainer import algorithms as alg
+from slimrl.trainer.model import TrainState, build_gpt_chunks, build_train_state
+from slimrl.trainer.offload import Offloader
+
+if TYPE_CHECKING:
+    from slimrl.config.schema import SlimConfig
+    from slimrl.megatron_bridge.megatron_config import BuildOptions
+    from slimrl.megatron_bridge.model_arch import ModelArch
+    from slimrl.trainer.actor import MegatronActor
+    from slimrl.trainer.batch import MicroBatch, TrainBatch
+    from slimrl.trainer.parallel import ParallelLayout
+
+OLD_VALUES, RETURNS, TOKEN_REWARDS = "old_values", "returns", "token_rewards"
+"""Per-token keys of a PPO batch: values before the update, GAE returns, rewards per token."""
+HEAD_PREFIX = "output_layer."
+
+
+def _copy_body(source_chunks: list[Any], target_chunks: list[Any]) -> None:
+    """Every critic parameter except the value head takes the policy's value (same names, same
+    layout, so each rank copies its own shards)."""
+    with torch.no_grad():
+        for source, target in zip(source_chunks, target_chunks, strict=True):
+            policy = dict(getattr(source, "module", source).named_parameters())
+            for name, param in target.named_parameters():
+                if not name.startswith(HEAD_PREFIX):
+                    param.copy_(policy[name])
+
+
+class Critic:
+    """What the critic holds on one rank: its training state and offloader."""
+
+    def __init__(self, config: SlimConfig, state: TrainState) -> None:
+        self.config = config
+        self.state = state
+        self.offloader = Offloader(state.model, state.optimizer)
+
+    @classmethod
+    def build(
+        cls,
+        config: SlimConfig,
+        arch: ModelArch,
+        layout: ParallelLayout,
+        options: BuildOptions,
+        policy_chunks: list[Any],
+        total_steps: int,
+    ) -> Critic:
+        settings = config.critic
+        chunks = build_gpt_chunks(arch, layout, options, config.train.max_seq_len, value_head=True)
+        if settings.load:
+            from slimrl.megatron_bridge.dist_ckpt import load_model
+
+            load_model(chunks, Path(settings.load))
+        else:
+            _copy_body(policy_chunks, chunks)
+        assert settings.lr is not None, "config checks require critic.lr with ppo"
+        opt = dataclasses.replace(config.train.optimizer, lr=settings.lr, min_lr=settings.min_lr)
+        return cls(config, build_train_state(config, chunks, options, total_steps, opt))
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for chunk in self.state.model for p in chunk.module.parameters())
+
+    # ---------------------------------------------------------------- passes
+    def values(self, actor: MegatronActor, batch: TrainBatch) -> dict[int, list[float]]:
+        """Forward-only: per-sample values of the response tokens (last pipeline stage only)."""
+        captured: dict[int, list[float]] = {}
+        model = self.state.model
+
+        def capture(mb: MicroBatch, output: torch.Tensor):
+            captured.update(mb.per_sequence(output[..., 0].float()))
+            return output.sum() * 0.0, {}
+
+        with torch.no_grad():
+            actor.with_oom_retry(
+                lambda mbs: actor._forward_backward(mbs, capture, True, with_labels=False, model=model),
+                batch,
+                model=model,
+            )
+        captured.pop(-1, None)
+        return captured
+
+    def train_step(
+        self, actor: MegatronActor, batch: TrainBatch, fused: bool
+    ) -> tuple[dict[str, float], dict[int, list[float]]]:
+        """One optimizer step of the clipped value loss (`algorithms.value_loss`) on `batch`.
+
+        Unfused, the batch carries OLD_VALUES (from `values`) and RETURNS (GAE). Fused, with one
+        step per rollout, the old values are this forward's own values, detached (the critic being
+        trained is the one the rollout is scored with, so the value clip is inactive, as in PPO's
+        first mini-batch), and GAE runs on them per micro-batch from TOKEN_REWARDS: a whole
+        forward-only pass is saved. Returns the metrics and, fused, the unwhitened advantages of
+        each sequence (last pipeline stage; empty elsewhere).
+        """
+        start = time.perf_counter()
+        state, algo, clip = self.state, self.config.algorithm, self.config.critic.value_clip
+        global_tokens = actor._sum_over_dp({"tokens": float(sum(sum(m) for m in batch.loss_masks))})["tokens"]
+        advantages: dict[int, list[float]] = {}
+        megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
+
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+            values = output[..., 0].float()
+            mask = mb.loss_mask_BS
+            if fused:
+                old = values.detach()
+                adv, returns = alg.gae(
+                    mb.per_token_BS[TOKEN_REWARDS], old, mask, algo.gamma, algo.lambd, mb.seq_index_BS
+                )
+                advantages.update(mb.per_sequence(adv))
+            else:
+                old, returns = mb.per_token_BS[OLD_VALUES], mb.per_token_BS[RETURNS]
+            loss, stats = alg.value_loss(values, old, returns, mask, clip, global_tokens)
+            tokens = mask.sum()
+            report = {
+                "value_loss": loss.detach(),
+                "tokens": tokens,
+                "vf_clipfrac_sum": stats["value_clipfrac"] * tokens,
+                "values_sum": (old * mask).sum(),
+                "returns_sum": (returns * mask).sum(),
+            }
+            return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
+
+        for chunk in state.model:
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+
+        def run(micro_batches: list[MicroBatch]) -> list[dict]:
+            nonlocal megatron_scale
+            megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
+            return actor._forward_backward(
+                micro_batches, loss_fn, forward_only=False, with_labels=False, model=state.model
+            )
+
+        reports = actor.with_oom_retry(run, batch, model=state.model)
+        ok, grad_norm, _ = state.optimizer.step()
+        if ok:
+            state.scheduler.step(increment=1)
+        metrics = {
+            "train/critic_grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/critic_lr": state.optimizer.param_groups[0]["lr"],
+        }
+        if _last_stage():
+            keys = sorted({k for r in reports for k in r})
+            summed = actor._sum_over_dp({k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
+            tokens = max(summed.pop("tokens", 0.0), 1.0)
+            for key, value in summed.items():  # sums of per-token values become token means
+                per_token = key.endswith("_sum")
+                metrics[f"train/{key.removesuffix('_sum')}"] = value / tokens if per_token else value
+        metrics["perf/critic_seconds"] = time.perf_counter() - start
+        advantages.pop(-1, None)
+        return metrics, advantages
+
+
+def _last_stage() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.is_pipeline_last_stage(ignore_virtual=True)

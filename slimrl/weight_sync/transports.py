@@ -81,8 +81,15 @@ class TensorTransport(WeightTransport):
 
     def send(self, pool: ThreadPoolExecutor, bucket: NamedTensors) -> None:
         target = self.target
-        # `update` holds the shared buffer until every engine has answered (see TensorUpdate).
-        update = wire.tensor_update(bucket, target.version)
+        if target.device.type == "cuda":  # CUDA IPC: the bucket lives until every engine answered
+            self._post(pool, wire.tensor_update(bucket, target.version))
+            return
+        with wire.SHARED_SEGMENT.borrow(wire.packed_nbytes(bucket)) as segment:
+            self._post(pool, wire.tensor_update(bucket, target.version, out=segment))
+
+    def _post(self, pool: ThreadPoolExecutor, update: wire.TensorUpdate) -> None:
+        # Every engine has loaded the bucket when this returns; only then may the buffer be reused.
+        target = self.target
         target.calls.each(
             pool,
             target.engines,

@@ -49,3 +49,23 @@ def test_broadcast_buffer_matches_sglang_receive_layout() -> None:
     receive.get_flattened_tensor().copy_(buffer)  # what the broadcast does
     for (name, got), (want_name, want) in zip(receive.reconstruct_tensors(), named, strict=True):
         assert name == want_name and torch.equal(got, want)
+
+
+def test_reused_segment_carries_each_bucket_to_sglang_and_is_exclusive() -> None:
+    """Buckets packed in turn into one reused segment each decode, by SGLang's deserializer, to
+    their own bytes (not a later bucket's), while a second borrower gets a segment of its own."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    segment = wire.SharedSegment()
+    pointers = []
+    for value in (1.0, 2.0):
+        named = [("a", torch.full((64,), value)), ("b", torch.full((8,), value, dtype=torch.bfloat16))]
+        with segment.borrow(wire.packed_nbytes(named)) as out:
+            body = wire.tensor_update(named, "v", out=out).body(1)
+            data = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0])
+            assert torch.equal(data["flattened_tensor"], out)
+            assert data["flattened_tensor"][:256].view(torch.float32).eq(value).all()
+            pointers.append(out.data_ptr())
+            with segment.borrow(16) as other:
+                assert other.data_ptr() != out.data_ptr()
+    assert pointers[0] == pointers[1]

@@ -96,7 +96,7 @@ def main() -> None:
     actor = MegatronActor(config, info)
     actor.setup(total_steps=4)
     coords = actor.coordinates()
-    result: dict = {"coords": coords, "metrics": []}
+    result: dict = {"coords": coords, "metrics": [], "spec": batch_spec(actor.arch.vocab_size)}
 
     def batch() -> TrainBatch:
         return make_batch(actor.arch.vocab_size, actor.layout.dp, coords["dp"])

@@ -885,9 +885,7 @@ def test_gspo_is_the_mean_over_sequences_of_the_sequence_objective() -> None:
         ("seq_mean_token_sum_norm", (0.2 + 0.3) / (4 * 2), (0.6 + 1.5) / (4 * 2)),  # constant 4
     ],
 )
-def test_kl_loss_and_entropy_use_the_policy_loss_reduction(
-    reduction: str, kl: float, entropy: float
-) -> None:
+def test_kl_loss_and_entropy_use_the_policy_loss_reduction(reduction: str, kl: float, entropy: float) -> None:
     """The trainer's loss (`rl.rl_loss`) reduces the KL loss and the entropy bonus like the policy loss."""
     algo = _config(loss_reduction=reduction, kl_loss_coef=1.0, kl_estimator="k1", entropy_coef=0.5).algorithm
     logp = torch.zeros(1, 4, dtype=F64, requires_grad=True)

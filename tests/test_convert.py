@@ -223,3 +223,52 @@ def test_damaged_torch_dist_checkpoint_is_one_line(tmp_path, tiny_model):
     _one_line_error(to_hf(mcore, tmp_path / "hf", hf), "no .metadata")
     assert not (tmp_path / "hf").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary leftovers
+
+
+def test_out_overlapping_an_input_is_refused_before_anything_starts(tmp_path, tiny_model):
+    hf = _copy(tiny_model("qwen3"), tmp_path / "hf")
+    before = sorted(p.name for p in hf.iterdir())
+    for out in (hf, hf / "mcore"):
+        proc = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--force")
+        _one_line_error(proc, f"--out {out}: overlaps --hf-dir")
+        assert proc.returncode == 2
+    _one_line_error(to_hf(tmp_path, tmp_path / "back", hf), f"--out {tmp_path / 'back'}: overlaps --ckpt")
+    assert sorted(p.name for p in hf.iterdir()) == before
+
+
+def test_a_killed_conversion_leaves_nothing_the_next_run_keeps(tmp_path, tiny_model):
+    """kill -9 mid-write leaves the writer's hidden temporary behind (nothing can clean up after
+    SIGKILL); the next conversion to the same --out removes it and writes a complete output."""
+    import os
+    import signal
+    import time
+
+    hf = tiny_model("qwen3_moe")
+    out = tmp_path / "mcore"
+    cmd = [sys.executable, "-m", "slimrl.cli", "convert", "hf-to-mcore", "--hf-dir", str(hf),
+           "--out", str(out), "--ep", "2"]  # fmt: skip
+    quiet = subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=quiet, stderr=quiet)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".mcore.*.tmp")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = list(tmp_path.glob(".mcore.*.tmp"))
+    assert left and not out.exists(), "the conversion finished before it could be killed"
+    done = convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--ep", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mcore.")]
+    assert "decoder.final_layernorm.weight" in index_of(out)  # a complete torch_dist index
+
+
+def test_an_interrupted_replacement_gets_the_previous_output_back(tmp_path):
+    """Killed between moving the old output aside and renaming the new one in: the old comes back."""
+    from slimrl.utils.fs import clear_dead_writers
+
+    final = tmp_path / "ckpt"
+    trash = tmp_path / ".ckpt.old"
+    trash.mkdir()
+    (trash / "weights").write_text("previous")
+    clear_dead_writers(final)
+    assert (final / "weights").read_text() == "previous" and not trash.exists()

@@ -17,7 +17,7 @@ import time
 import warnings
 from pathlib import Path
 
-from slimrl.errors import SlimError
+from slimrl.errors import ConfigError, SlimError
 
 _ERROR_FILE = "SLIMRL_ERROR_FILE"
 MAX_AUTO_WORKERS = 8
@@ -90,6 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-gb", type=float, default=2.0)
     to_hf.add_argument("--force", action="store_true", help="replace an existing --out")
     return parser
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """`--out` apart from every input: `--force` replaces `--out` whole, so an input inside it (or
+    it inside an input) would be deleted or half-overwritten by the conversion itself."""
+    inputs = {"--hf-dir": args.hf_dir} if args.direction == "hf-to-mcore" else {
+        "--ckpt": args.ckpt, "--hf-config-dir": args.hf_config_dir,
+    }  # fmt: skip
+    out = Path(args.out).resolve()
+    for flag, value in inputs.items():
+        source = Path(value).resolve()
+        if out == source or source in out.parents or out in source.parents:
+            raise ConfigError(
+                f"--out {args.out}: overlaps {flag} {value}; write the conversion to a directory "
+                f"outside its inputs"
+            )
 
 
 def _run_rank(args: argparse.Namespace) -> None:
@@ -169,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    try:
+        check_paths(args)
+    except ConfigError as exc:
+        print(f"slimrl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
     args.workers = resolve_workers(args, inside)
     if not inside:

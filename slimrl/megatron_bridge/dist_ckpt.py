@@ -38,38 +38,32 @@ def sharded_model_state(chunks: list[Any]) -> dict[str, Any]:
 
 
 def shared_tmp_dir(final: Path) -> Path:
-    """A temporary sibling of `final`, created by rank 0 and agreed on by every rank."""
-    import tempfile
-
+    """A temporary sibling of `final`, created by rank 0 and agreed on by every rank (what a killed
+    earlier run left for the same `final` is removed first, see `utils.fs.clear_dead_writers`)."""
     import torch.distributed as dist
+
+    from slimrl.utils.fs import temp_sibling
 
     name = [None]
     if dist.get_rank() == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        name = [tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")]
+        name = [str(temp_sibling(final))]
     dist.broadcast_object_list(name, src=0)
     return Path(str(name[0]))
 
 
 def publish(tmp: Path, final: Path, overwrite: bool) -> None:
     """Rank 0 renames the finished temporary directory into place (after a barrier)."""
-    import os
-
     import torch.distributed as dist
+
+    from slimrl.utils.fs import replace_directory
 
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():
-            if not overwrite:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise BridgeError(f"{final}: output exists; pass --force to replace it")
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        try:
+            replace_directory(tmp, final, overwrite=overwrite)
+        except FileExistsError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BridgeError(f"{final}: output exists; pass --force to replace it") from None
     dist.barrier()
 
 

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from slimrl.config import load_config
 from slimrl.config.schema import SlimConfig
 from slimrl.data.toy_tasks import make_data
+from slimrl.errors import SlimError
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.fleet import Fleet
@@ -265,6 +266,24 @@ async def one_long_turn(ctx: RolloutContext, sample: Sample, sampling_params: di
         await ctx.client.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True),
     )
     return sample
+
+
+async def forgets_status(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """A generate hook that fills in the response but never sets `sample.status`."""
+    sample.tokens = ctx.tokenizer.encode(sample.prompt, add_special_tokens=False)
+    response = await ctx.client.generate(input_ids=sample.tokens, sampling_params=sampling_params)
+    sample.tokens += response["output_ids"]
+    sample.response_length = len(response["output_ids"])
+    return sample
+
+
+def test_a_hook_that_forgets_status_is_named_not_silently_dropped(fleet, base_config, tokenizer) -> None:
+    """Before: every sample was dropped by dynamic sampling and nothing named the hook."""
+    config = configure(base_config, rollout={"custom_generate_function_path": "test_rollout.forgets_status"})
+    with pytest.raises(SlimError) as err:
+        rollout(fleet, config, tokenizer, DataSource(config))
+    assert str(err.value).startswith("rollout.custom_generate_function_path: sample ")
+    assert "status is still pending: the hook must set it" in str(err.value)
 
 
 def test_rollout_abort_reaches_the_requests_of_a_generate_hook(fleet, base_config, tokenizer) -> None:

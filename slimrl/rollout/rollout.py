@@ -23,6 +23,7 @@ from slimrl.rollout.client import RID_PREFIX, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group, load_buffer_filter
 from slimrl.rollout.generate import RolloutContext, generate, sampling_params_for
 from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
+from slimrl.rollout.sample_checks import GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.utils.hooks import load_function
 
@@ -93,6 +94,8 @@ class _GroupRunner:
     def __init__(self, ctx: RolloutContext, evaluation: bool) -> None:
         self.ctx = ctx
         self.generate = load_generate_fn(ctx.config)
+        self.hook = GENERATE_KEY if ctx.config.rollout.custom_generate_function_path else "generate"
+        self.vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
         self.params = sampling_params_for(ctx.config, evaluation)
         self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
@@ -127,6 +130,8 @@ class _GroupRunner:
                 "rollout.custom_generate_function_path: generate() must return a Sample or a "
                 f"non-empty list[Sample], got {type(result).__name__}"
             )
+        for one in samples:
+            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping)
         return samples
 
     async def run_group(self, group: Group) -> Group:
@@ -161,6 +166,9 @@ async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool 
     if custom is not None:
         groups = await custom(ctx, source, evaluation)
         _check_groups(groups)
+        vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
+        for sample in (s for group in groups for s in group):
+            check_sample(sample, ROLLOUT_KEY, vocab_size)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)

@@ -1,0 +1,110 @@
+"""What a user's hook returns is checked where it enters slimrl, not where torch trips over it.
+
+A `generate()` or rollout function hands back `Sample`s the trainer will turn into tensors. A
+string token, a length that does not fit, or an id outside the vocabulary would otherwise
+surface minutes later as an index error deep inside Megatron; here each gives one line naming the
+hook's config key, the sample and the field.
+
+**Decision** (issue 13): a sample returned with `status` still `pending` is an error, not a guess
+from the engine's finish reason: the hook may have made several engine calls, or none, and only
+it knows whether the response is complete. The built-in `generate` sets it from `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from numbers import Integral, Real
+from pathlib import Path
+from typing import Any
+
+from slimrl.errors import SlimError
+from slimrl.sample import Sample, Status
+
+GENERATE_KEY = "rollout.custom_generate_function_path"
+ROLLOUT_KEY = "rollout.rollout_function_path"
+_SET_BY_HOOK = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
+
+
+@lru_cache(maxsize=8)
+def model_vocab_size(hf_checkpoint: str) -> int | None:
+    """Rows of the model's embedding: every token id must be below it (None: not stated)."""
+    try:
+        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def check_sample(sample: Sample, hook: str, vocab_size: int | None, allow_pending: bool = False) -> None:
+    """Raise one line if `sample` cannot be trained on; normalise what is merely loosely typed
+    (numpy integers, a status given as its string value) in place. `allow_pending`: the rollout
+    is aborting its requests, so an unfinished sample is expected (it is buffered or dropped)."""
+
+    def fail(field: str, problem: str) -> SlimError:
+        return SlimError(f"{hook}: sample {sample.index}: {field} {problem}")
+
+    sample.status = _status(sample.status, fail, allow_pending)
+    sample.tokens = _token_ids(sample.tokens, vocab_size, fail)
+    length = sample.response_length
+    if not isinstance(length, Integral) or isinstance(length, bool) or not 0 <= length <= len(sample.tokens):
+        raise fail(
+            "response_length", f"is {length!r}; expected an int in [0, len(tokens)={len(sample.tokens)}]"
+        )
+    sample.response_length = n = int(length)
+    if sample.loss_mask is not None:
+        mask = _per_response_token(sample.loss_mask, "loss_mask", n, fail)
+        if not all(m in (0, 1) for m in mask):
+            raise fail("loss_mask", "must hold only 0 and 1")
+        sample.loss_mask = [int(m) for m in mask]
+    if sample.rollout_log_probs is not None:
+        logps = _per_response_token(
+            sample.rollout_log_probs, "rollout_log_probs", sample.response_length, fail
+        )
+        if not all(
+            isinstance(v, Real) and not isinstance(v, bool) and v <= 1e-4 and math.isfinite(v) for v in logps
+        ):
+            raise fail("rollout_log_probs", "must be finite log-probabilities (floats <= 0)")
+        sample.rollout_log_probs = [float(v) for v in logps]
+
+
+def _status(status: Any, fail: Any, allow_pending: bool) -> Status:
+    try:
+        value = Status(status)
+    except ValueError:
+        raise fail(
+            "status", f"is {status!r}; expected one of {', '.join(s.value for s in _SET_BY_HOOK)}"
+        ) from None
+    if value is Status.PENDING and not allow_pending:
+        raise fail(
+            "status",
+            "is still pending: the hook must set it (completed, truncated, aborted or failed), e.g. "
+            "from the engine's meta_info.finish_reason as slimrl.rollout.generate.generate does",
+        )
+    return value
+
+
+def _token_ids(tokens: Any, vocab_size: int | None, fail: Any) -> list[int]:
+    if not isinstance(tokens, list):
+        raise fail("tokens", f"is a {type(tokens).__name__}; expected list[int]")
+    if not all(type(t) is int for t in tokens):  # the common case is one fast pass
+        bad = next((t for t in tokens if not isinstance(t, Integral) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise fail("tokens", f"holds {bad!r} ({type(bad).__name__}); expected int token ids")
+        tokens = [int(t) for t in tokens]
+    if tokens:
+        low, high = min(tokens), max(tokens)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            culprit = low if low < 0 else high
+            raise fail("tokens", f"holds id {culprit}, outside the model's vocabulary [0, {vocab_size})")
+    return tokens
+
+
+def _per_response_token(values: Any, field: str, response_length: int, fail: Any) -> list[Any]:
+    if not isinstance(values, list):
+        raise fail(field, f"is a {type(values).__name__}; expected a list, one entry per response token")
+    if len(values) != response_length:
+        raise fail(field, f"has {len(values)} entries; expected one per response token ({response_length})")
+    return values

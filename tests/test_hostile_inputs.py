@@ -1,0 +1,79 @@
+"""Hostile inputs, one place: what a careless or hostile user can type or a hook can return, each
+answered by one line naming the key, hook or field at fault, with nothing written or lost.
+
+Grows with every bug found (issue 13). Fast cases live here; those that need a fleet or a run
+sit beside their subsystem's tests and are named from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slimrl.errors import SlimError
+from slimrl.rollout.sample_checks import GENERATE_KEY, check_sample, model_vocab_size
+from slimrl.sample import Sample, Status
+
+VOCAB = 50
+
+
+def sample(**fields) -> Sample:
+    base = {"index": 7, "tokens": [1, 2, 3, 4, 5], "response_length": 2, "status": Status.COMPLETED,
+            "loss_mask": [1, 1], "rollout_log_probs": [-0.5, -1.0]}  # fmt: skip
+    return Sample(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "needle"),
+    [
+        ({"status": Status.PENDING}, "status", "is still pending: the hook must set it"),
+        ({"status": "done"}, "status", "is 'done'; expected one of completed, truncated, aborted, failed"),
+        ({"tokens": ["1", "2", "3"]}, "tokens", "holds '1' (str); expected int token ids"),
+        ({"tokens": [1, 2, 3.0]}, "tokens", "holds 3.0 (float)"),
+        ({"tokens": (1, 2, 3)}, "tokens", "is a tuple; expected list[int]"),
+        (
+            {"tokens": [1, 2, VOCAB]},
+            "tokens",
+            f"holds id {VOCAB}, outside the model's vocabulary [0, {VOCAB})",
+        ),
+        ({"tokens": [1, -1, 2]}, "tokens", "holds id -1"),
+        ({"response_length": 6}, "response_length", "is 6; expected an int in [0, len(tokens)=5]"),
+        ({"response_length": -1}, "response_length", "is -1"),
+        ({"response_length": 2.0}, "response_length", "is 2.0"),
+        ({"loss_mask": [1, 1, 1]}, "loss_mask", "has 3 entries; expected one per response token (2)"),
+        ({"loss_mask": [1, 2]}, "loss_mask", "must hold only 0 and 1"),
+        ({"loss_mask": "11"}, "loss_mask", "is a str; expected a list"),
+        ({"rollout_log_probs": [-0.5]}, "rollout_log_probs", "has 1 entries"),
+        (
+            {"rollout_log_probs": [-0.5, float("nan")]},
+            "rollout_log_probs",
+            "must be finite log-probabilities",
+        ),
+        ({"rollout_log_probs": [-0.5, 0.7]}, "rollout_log_probs", "must be finite log-probabilities"),
+    ],
+)
+def test_bad_hook_samples_are_one_line_naming_hook_sample_and_field(fields, field, needle) -> None:
+    with pytest.raises(SlimError) as err:
+        check_sample(sample(**fields), GENERATE_KEY, VOCAB)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{GENERATE_KEY}: sample 7: {field} ") and needle in message, message
+
+
+def test_loosely_typed_but_meaningful_samples_are_normalised() -> None:
+    """numpy ids and a status given as its string value are what a hook naturally returns."""
+    one = sample(tokens=list(np.array([1, 2, 3, 4, 5])), status="truncated", response_length=np.int64(2))
+    check_sample(one, GENERATE_KEY, VOCAB)
+    assert one.status is Status.TRUNCATED and one.response_length == 2
+    assert [type(t) for t in one.tokens] == [int] * 5
+
+
+def test_an_aborting_rollout_accepts_unfinished_samples() -> None:
+    check_sample(sample(status=Status.PENDING), GENERATE_KEY, VOCAB, allow_pending=True)
+
+
+def test_vocab_bound_is_the_model_embedding_size(tiny_model) -> None:
+    import json
+
+    hf = tiny_model("qwen3_moe")
+    assert model_vocab_size(str(hf)) == json.loads((hf / "config.json").read_text())["vocab_size"]

@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slimrl.config import load_config
 from slimrl.errors import ConfigError
+from slimrl.trainer import algorithms as alg
 from tests.conftest import REPO, run_torchrun
 
 WORKER = REPO / "tests" / "dist" / "ppo_worker.py"
@@ -103,6 +105,44 @@ def test_ppo_config_loads(tiny_model, mod_sum_data):
         [f"model.hf_checkpoint={tiny_model('qwen3_moe')}", f"data.prompt_data={mod_sum_data}"],
     )
     assert config.algorithm.advantage_estimator == "ppo" and config.critic.lr is not None
+
+
+# ------------------------------------------------------------------------------------- GAE
+def _packed_case(rows: int, length: int, dtype, seed: int):
+    """Random rewards/values, a mask with holes, rows holding several sequences and padding."""
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(rows, length, dtype=dtype, generator=generator)
+    values = torch.randn(rows, length, dtype=dtype, generator=generator)
+    mask = (torch.rand(rows, length, generator=generator) > 0.2).to(dtype)
+    seq_index = torch.full((rows, length), -1)
+    for row in range(rows):
+        cuts = sorted(torch.randint(1, length, (3,), generator=generator).tolist())
+        bounds = [0, *cuts, length]
+        for j in range(len(bounds) - 2):  # the last span stays padding
+            seq_index[row, bounds[j] : bounds[j + 1]] = j
+    return rewards, values, mask, seq_index
+
+
+@pytest.mark.parametrize(
+    ("gamma", "lambd", "dtype", "length", "tol"),
+    [
+        (1.0, 1.0, torch.float64, 700, 1e-12),
+        (0.9, 0.8, torch.float64, 300, 1e-12),
+        (0.99, 0.95, torch.float32, 1000, 2e-5),  # fp32: summation order differs
+        (0.0, 0.5, torch.float64, 130, 1e-12),
+        (0.5, 1.0, torch.float64, 5, 1e-12),
+    ],
+)
+def test_vectorised_gae_equals_the_reference_loop(gamma, lambd, dtype, length, tol):
+    """The critic computes GAE with `gae_vectorised` (blocked matrix products); `gae` is the
+    paper's recursion as a loop (pinned in test_algorithms): the two agree on packed rows with
+    loss-mask holes, padding and sequences longer than a block."""
+    rewards, values, mask, seq_index = _packed_case(3, length, dtype, seed=length)
+    for seq in (seq_index, None):
+        reference = alg.gae(rewards, values, mask, gamma, lambd, seq)
+        fast = alg.gae_vectorised(rewards, values, mask, gamma, lambd, seq)
+        for want, got in zip(reference, fast, strict=True):
+            assert (want - got).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 
 # ------------------------------------------------------------------------------------- trainer

@@ -325,6 +325,61 @@ def gae(
         return advantages, returns
 
 
+# Steps per block of `gae_vectorised`: one [sequences, 128] x [128, 128] product per block.
+_GAE_BLOCK = 128
+
+
+def gae_vectorised(
+    token_rewards_BS: torch.Tensor,
+    values_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    gamma: float,
+    lambd: float,
+    seq_index_BS: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gae` without a Python loop over positions; the same values to rounding (tested against it).
+
+    The masked steps of each sequence are gathered into one row of a [sequences, steps] layout,
+    where the advantages are the deltas summed backwards with discount gamma*lambd: one matrix
+    product per block of `_GAE_BLOCK` steps, plus the next block's first advantage carried in with
+    its discount. The critic's training forward runs this per micro-batch; `gae`'s loop over a
+    packed row of a few thousand positions cost a quarter of the critic's step on CPU.
+    """
+    # A_t = sum_{k >= 0} (gamma lambd)^k delta_{t+k}  (over the masked steps of t's sequence)
+    #     = [block-local sum] + (gamma lambd)^(block end + 1 - t) A_{block end + 1}
+    mask = _effective_mask(mask_BS, seq_index_BS)
+    segments = _segment_ids(seq_index_BS, mask)
+    with torch.no_grad():
+        advantages = torch.zeros_like(values_BS)
+        flat = (mask.reshape(-1) > 0).nonzero().squeeze(1)  # masked positions, in sequence order
+        if flat.numel() == 0:
+            return advantages, advantages.clone()
+        # A sequence is one contiguous span of one row: its masked positions are consecutive here.
+        _, row = torch.unique_consecutive(segments.reshape(-1)[flat], return_inverse=True)
+        counts = torch.bincount(row)
+        step = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[row]
+        width = -(-int(counts.max()) // _GAE_BLOCK) * _GAE_BLOCK
+        rewards = values_BS.new_zeros(counts.numel(), width)
+        values = values_BS.new_zeros(counts.numel(), width + 1)  # V after the last step = 0
+        rewards[row, step] = token_rewards_BS.reshape(-1)[flat].to(values_BS.dtype)
+        values[row, step] = values_BS.reshape(-1)[flat]
+        delta = rewards + gamma * values[:, 1:] - values[:, :-1]  # 0 on the padding
+        discount = gamma * lambd
+        index = torch.arange(_GAE_BLOCK, device=values_BS.device)
+        distance = index.unsqueeze(1) - index.unsqueeze(0)  # [k, t] = k - t
+        weights = torch.where(distance >= 0, discount ** distance.clamp(min=0).to(values_BS.dtype), 0.0)
+        carry_weight = discount ** (_GAE_BLOCK - index).to(values_BS.dtype)
+        compact = torch.empty_like(delta)
+        carry = delta.new_zeros(delta.shape[0], 1)
+        for start in reversed(range(0, width, _GAE_BLOCK)):
+            block = delta[:, start : start + _GAE_BLOCK] @ weights + carry_weight * carry
+            compact[:, start : start + _GAE_BLOCK] = block
+            carry = block[:, :1]
+        advantages.view(-1)[flat] = compact[row, step]
+        returns = (advantages + values_BS) * mask.to(values_BS.dtype)
+        return advantages, returns
+
+
 def masked_moments(
     values_BS: torch.Tensor, mask_BS: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -706,6 +761,7 @@ def masked_is(
 __all__ = [
     "entropy_bonus",
     "gae",
+    "gae_vectorised",
     "grpo_advantages",
     "kl_estimate",
     "kl_loss",

@@ -125,7 +125,7 @@ class Critic:
             mask = mb.loss_mask_BS
             if fused:
                 old = values.detach()
-                adv, returns = alg.gae(
+                adv, returns = alg.gae_vectorised(
                     mb.per_token_BS[TOKEN_REWARDS], old, mask, algo.gamma, algo.lambd, mb.seq_index_BS
                 )
                 advantages.update(mb.per_sequence(adv))

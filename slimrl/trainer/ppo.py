@@ -6,7 +6,8 @@ Order per rollout batch (`train_rollout`):
 2. Token rewards: the sample's reward on its last loss-masked token, minus `kl_coef * KL(old||ref)`
    on loss-masked tokens (`algorithms.terminal_rewards`).
 3. Values V(s_t) of the critic, GAE advantages and returns with `gamma`/`lambd` over the loss-masked
-   tokens (`algorithms.gae`), advantages whitened over the whole step (moments all-reduced over DP).
+   tokens (`algorithms.gae_vectorised`, equal to `algorithms.gae`), advantages whitened over the
+   whole step (moments all-reduced over DP).
    With one optimizer step per rollout this happens inside the critic's training forward (its own
    values, detached, are the old values); otherwise a forward-only value pass comes first.
 4. For each of `train.steps_per_rollout` slices: a critic step on the clipped value loss
@@ -78,7 +79,7 @@ def separate_value_pass(actor: MegatronActor, batch: TrainBatch) -> None:
     rewards, _ = rl._padded(batch.per_token[TOKEN_REWARDS])
     old, _ = rl._padded(values)
     mask, _ = rl._padded([[float(m) for m in lm] for lm in batch.loss_masks])
-    advantages, returns = alg.gae(rewards, old, mask, algo.gamma, algo.lambd)
+    advantages, returns = alg.gae_vectorised(rewards, old, mask, algo.gamma, algo.lambd)
     batch.per_token[OLD_VALUES] = values
     batch.per_token[RETURNS] = _rows(batch, returns.tolist())
     batch.per_token[rl.ADVANTAGES] = whiten_over_dp(actor, batch, _rows(batch, advantages.tolist()))

@@ -107,6 +107,25 @@ def test_ppo_config_loads(tiny_model, mod_sum_data):
     assert config.algorithm.advantage_estimator == "ppo" and config.critic.lr is not None
 
 
+def test_memory_plan_counts_the_critic(monkeypatch):
+    """`slimrl plan` with PPO: a second model's parameters, gradients and optimizer state on every
+    rank; activations are not added (the critic's pass ends before the policy's)."""
+    from slimrl.trainer.memory_plan import plan
+
+    monkeypatch.chdir(REPO)  # the shipped config names configs/models/... relative to the root
+    path = REPO / "configs" / "qwen3_30b_a3b_8gpu.yaml"
+    grpo = plan(load_config(path, ["train.optimizer.cpu_offload=false"]))
+    ppo = plan(
+        load_config(
+            path, ["train.optimizer.cpu_offload=false", "algorithm.advantage_estimator=ppo", "critic.lr=1e-6"]
+        )
+    )
+    assert grpo.critic == 0
+    assert ppo.critic == grpo.params + grpo.grads + grpo.optimizer
+    assert ppo.total == grpo.total + ppo.critic and ppo.activations == grpo.activations
+    assert "critic (PPO)" in ppo.render()
+
+
 # ------------------------------------------------------------------------------------- GAE
 def _packed_case(rows: int, length: int, dtype, seed: int):
     """Random rewards/values, a mask with holes, rows holding several sequences and padding."""

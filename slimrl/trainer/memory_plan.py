@@ -392,6 +392,10 @@ class StagePlan:
     optimizer_host: int
     """Host memory of the offloaded optimizer (with `train.optimizer.cpu_offload`): its state and a
     fp32 copy of the gradient shard."""
+    critic: int
+    """PPO's value model on the same ranks: its parameters, gradients and optimizer state (counted
+    with the policy's shapes, LM head included: an upper bound); its activations come and go before
+    the policy's, so they add nothing to the peak."""
     activations: int
     logits: int
     allowance: int
@@ -400,7 +404,10 @@ class StagePlan:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.allowance
+        return (
+            self.params + self.grads + self.optimizer + self.critic + self.activations + self.logits
+            + self.allowance
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,6 +424,8 @@ class _Inputs:
     recompute: str | None
     tokens: int
     logits_tokens: int
+    critic: bool
+    """`advantage_estimator: ppo`: a second model of the same shape trains on every rank."""
 
 
 def _model_state(inp: _Inputs, chunks: list[Chunk]) -> dict[str, int]:
@@ -464,13 +473,19 @@ def _stage_plan(inp: _Inputs, chunks: list[Chunk], pp_rank: int) -> StagePlan:
     state = _model_state(inp, chunks)
     in_flight = in_flight_microbatches(inp.layout, pp_rank)
     optimizer, shard = state.pop("optimizer"), state.pop("shard")
+    host = host_optimizer_bytes(optimizer, shard) if inp.cpu_offload else 0
+    critic = 0
+    if inp.critic:  # the LM head's bytes are counted too: an upper bound (its head is a scalar)
+        critic = state["params"] + state["grads"] + (0 if inp.cpu_offload else optimizer)
+        host *= 2
     has_output = any(chunk.post_process for chunk in chunks)
     return StagePlan(
         pp_rank=pp_rank,
         layers=tuple(i for chunk in chunks for i in chunk.layers),
         **state,
         optimizer=0 if inp.cpu_offload else optimizer,
-        optimizer_host=host_optimizer_bytes(optimizer, shard) if inp.cpu_offload else 0,
+        optimizer_host=host,
+        critic=critic,
         activations=_activations(inp, chunks, in_flight),
         logits=logits_bytes(inp.arch, inp.layout, inp.logits_tokens) if has_output else 0,
         allowance=CUDA_ALLOWANCE_BYTES if inp.use_te else 0,
@@ -511,6 +526,7 @@ class MemoryPlan:
     grads: int
     optimizer: int
     optimizer_host: int
+    critic: int
     activations: int
     logits: int
     allowance: int
@@ -536,6 +552,7 @@ class MemoryPlan:
             "parameters": self.params,
             "gradients": self.grads,
             "optimizer state": self.optimizer,
+            "critic (PPO)": self.critic,
             "activations": self.activations,
             "logits chunk": self.logits,
             "CUDA/NCCL allowance": self.allowance,
@@ -598,6 +615,7 @@ def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
         recompute=config.parallel.recompute,
         tokens=tokens,
         logits_tokens=logits_tokens,
+        critic=config.algorithm.loss == "policy" and config.algorithm.advantage_estimator == "ppo",
     )
     stages = tuple(
         _stage_plan(inp, chunks, rank) for rank, chunks in enumerate(pipeline_chunks(arch, layout))
@@ -626,6 +644,7 @@ def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
         grads=worst.grads,
         optimizer=worst.optimizer,
         optimizer_host=worst.optimizer_host,
+        critic=worst.critic,
         activations=worst.activations,
         logits=worst.logits,
         allowance=worst.allowance,
@@ -676,6 +695,7 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         f"({_count(plan.num_expert_params)} in routed experts)",
         "gradients": "fp32 DDP grad buffer",
         "optimizer state": optimizer,
+        "critic (PPO)": "value model: parameters + gradients + optimizer again" if plan.critic else "none",
         "activations": f"{plan.tokens} tokens/micro-batch x {in_flight} in flight",
         "logits chunk": f"{plan.logits_tokens} tokens x vocab/tp x fp32 x 2" if plan.logits else "not here",
         "CUDA/NCCL allowance": "context, NCCL buffers, fragmentation" if plan.allowance else "none on CPU",
@@ -749,7 +769,7 @@ def _advice(plan: MemoryPlan, term: str) -> tuple[str, str]:
             "train.optimizer.cpu_offload=false",
             "set train.optimizer.cpu_offload=true or raise dp / expert-dp (more GPUs per model replica)",
         )
-    if term in ("parameters", "gradients"):
+    if term in ("parameters", "gradients", "critic (PPO)"):
         keys = ["ep", "tp", "pp"] if plan.moe_layers else ["tp", "pp"]
         setting = ", ".join(f"parallel.{k}={getattr(plan.layout, k)}" for k in keys)
         return setting, "raise " + "/".join(f"parallel.{k}" for k in keys) + " (or use more GPUs)"

@@ -77,3 +77,24 @@ def test_vocab_bound_is_the_model_embedding_size(tiny_model) -> None:
 
     hf = tiny_model("qwen3_moe")
     assert model_vocab_size(str(hf)) == json.loads((hf / "config.json").read_text())["vocab_size"]
+
+
+def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_one_line_before_anything(
+    tmp_path, tiny_model, mod_sum_data
+) -> None:
+    """Before: it started from step 1, rewrote metrics.jsonl and pruned the earlier checkpoints."""
+    from tests.conftest import run_slimrl
+
+    run_dir = tmp_path / "runs" / "again"
+    earlier = run_dir / "checkpoints" / "iter_0000007"
+    earlier.mkdir(parents=True)
+    (earlier / "driver_state.json").write_text('{"step": 7}')
+    proc = run_slimrl(
+        "train", "configs/tiny_moe_grpo_cpu.yaml", f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
+        f"data.prompt_data={mod_sum_data}", f"run.runs_dir={tmp_path / 'runs'}", "run.name=again",
+        "checkpoint.resume=false", timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "checkpoint.resume=false: " in lines[0] and "iter_0000007" in lines[0]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # no config.yaml, no logs

@@ -51,6 +51,7 @@ POSITIVE: tuple[str, ...] = (
     "train.steps_per_rollout",
     "train.max_seq_len",
     "train.logprob_chunk_tokens",
+    "checkpoint.keep_last",
 )
 
 

@@ -361,7 +361,10 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the latest checkpoint in save_dir when there is one."""
     keep_last: int = 2
-    """Checkpoints to keep."""
+    """Checkpoints to keep (>= 1): the most recently completed ones this directory's runs wrote."""
+    overwrite: bool = False
+    """With resume=false, replace an earlier run's checkpoints in the directory (removed once this
+    run's first checkpoint is complete); without it such a start is refused."""
     save_hf: bool = False
     """Also write an HF checkpoint with each save."""
 

@@ -36,9 +36,14 @@ def run_training(config: SlimConfig) -> Path:
 
     from slimrl.orchestration.placement import TRAIN_SHARE_COLOCATED, create_device_slots, start_ray
     from slimrl.orchestration.trainer_group import TrainerGroup
+    from slimrl.trainer import checkpoint
 
     setup_logging(config.logging.level)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: Ray and servers stop
+    run_path = Path(config.run.runs_dir) / config.run.name
+    checkpoint.prepare_start(
+        checkpoint.checkpoint_root(config, run_path), config.checkpoint.resume, config.checkpoint.overwrite
+    )
     run_dir = prepare_run_dir(config)
     device = resolve_device(config)
     world = train_world_size(config)

@@ -25,6 +25,7 @@ from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.sample import Sample, Status
+from slimrl.trainer.checkpoint import checkpoint_root
 
 logger = logging.getLogger("slimrl")
 
@@ -155,9 +156,7 @@ class RLRun:
             handoff,
         )
         self.transport = weight_transport(config)
-        self.ckpt_root = (
-            Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else run_dir / "checkpoints"
-        )
+        self.ckpt_root = checkpoint_root(config, run_dir)
 
     # ------------------------------------------------------------------ pieces
     def sync_weights(self, version: int) -> float:

@@ -15,14 +15,11 @@ from slimrl.errors import ConfigError
 from slimrl.orchestration.metrics import MetricsWriter
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
+from slimrl.trainer.checkpoint import checkpoint_root
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SFT_BATCH = 32
-
-
-def checkpoint_root(config: SlimConfig, run_dir: Path) -> Path:
-    return Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else run_dir / "checkpoints"
 
 
 def should_save(config: SlimConfig, step: int) -> bool:

@@ -71,7 +71,10 @@ def build_gpt_chunks(
         if value_head and post_process:
             # GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` and
             # returns its output as [B, S, 1]: the head slots in where the vocabulary projection was.
-            chunk.output_layer = ValueHead(arch.hidden_size, options.params_dtype, layout.sequence_parallel)
+            device = next(chunk.parameters()).device  # the GPU when Megatron builds there
+            chunk.output_layer = ValueHead(
+                arch.hidden_size, options.params_dtype, device, layout.sequence_parallel
+            )
         chunks.append(chunk)
     return chunks
 
@@ -86,10 +89,12 @@ class ValueHead(torch.nn.Module):
     once). The head starts at zero, identical on every rank without communication.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device, sequence_parallel: bool
+    ) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
 
     def forward(

@@ -86,6 +86,7 @@ def _serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         true_on_policy=args.true_on_policy,
@@ -171,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     serve.add_argument("--port", type=int, required=True)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on control calls")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every call")
+    serve.add_argument(
+        "--admin-api-key", default=None, help="require this key (and only it) on control calls"
+    )
     serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
     serve.add_argument(

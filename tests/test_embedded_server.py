@@ -67,7 +67,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
     cmd = [sys.executable, "-m", "slimrl.cli", "serve", "--model", str(model), "--port", str(port)]
     stderr = stderr_path.open("w")
     proc = subprocess.Popen(
-        [*cmd, "--api-key", API_KEY, "--max-running-requests", "32"],
+        [*cmd, "--admin-api-key", API_KEY, "--max-running-requests", "32"],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,

@@ -21,6 +21,7 @@ import requests
 from slimrl.errors import SlimError
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.generate import turn_weight_versions
+from slimrl.weight_sync.engines import auth_header
 from tests.engines import ENGINES, running_engines
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,14 @@ CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
+ADMIN_KEY = "contract-admin-key"
+"""Both engines run as `slimrl train` starts them: control endpoints behind a per-run admin key."""
+
+
+def admin(path: str) -> dict[str, str]:
+    return auth_header(path, None, ADMIN_KEY)
+
+
 _greedy_by_engine: dict[str, dict[str, Any]] = {}
 """First test's greedy answer per engine, compared across engines once both ran."""
 
@@ -46,10 +55,11 @@ class Engine:
         self.kind, self.url, self.model, self.other = kind, url, model, other
 
     def post(self, path: str, body: Any = None, timeout: float = 120) -> requests.Response:
-        return requests.post(f"{self.url}/{path}", json={} if body is None else body, timeout=timeout)
+        body = {} if body is None else body
+        return requests.post(f"{self.url}/{path}", json=body, headers=admin(path), timeout=timeout)
 
     def get(self, path: str) -> requests.Response:
-        return requests.get(f"{self.url}/{path}", timeout=60)
+        return requests.get(f"{self.url}/{path}", headers=admin(path), timeout=60)
 
     def generate(self, ids: list[int], params: dict[str, Any], **extra: Any) -> Any:
         response = self.post("generate", {"input_ids": ids, "sampling_params": params, **extra})
@@ -87,7 +97,8 @@ class Background:
 def engine(request, tiny_model, tmp_path_factory) -> Iterator[Engine]:
     kind = request.param
     model, other = tiny_model("qwen3_moe"), tiny_model("qwen3_moe", seed=1)
-    with running_engines(kind, model, tmp_path_factory.mktemp(f"contract-{kind}")) as (url,):
+    log_dir = tmp_path_factory.mktemp(f"contract-{kind}")
+    with running_engines(kind, model, log_dir, 1, f"rollout.admin_api_key={ADMIN_KEY}") as (url,):
         yield Engine(kind, url, model, other)
 
 
@@ -239,7 +250,7 @@ def test_abort_needs_the_exact_rid_or_abort_all(engine: Engine) -> None:
 
 
 def test_client_aborts_a_prefix_by_its_exact_rids(engine: Engine) -> None:
-    client = FleetClient([engine.url])
+    client = FleetClient([engine.url], admin_api_key=ADMIN_KEY)
 
     async def scenario() -> list[dict[str, Any]]:
         tasks = [
@@ -364,7 +375,7 @@ def test_update_weights_from_disk_flush_and_errors(engine: Engine) -> None:
 
 
 def test_client_parses_sglang_reply_shapes(engine: Engine) -> None:
-    client = FleetClient([engine.url])
+    client = FleetClient([engine.url], admin_api_key=ADMIN_KEY)
 
     async def scenario() -> None:
         [flushed] = await client.control("flush_cache")
@@ -385,3 +396,13 @@ def test_client_parses_sglang_reply_shapes(engine: Engine) -> None:
         await client.close()
 
     run(scenario)
+
+
+def test_admin_key_guards_control_calls_not_generation(engine: Engine) -> None:
+    for header in ({}, {"Authorization": "Bearer wrong"}):
+        refused = requests.post(f"{engine.url}/flush_cache", json={}, headers=header, timeout=30)
+        assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"})
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1}}
+    assert requests.post(f"{engine.url}/generate", json=body, timeout=60).status_code == 200
+    assert requests.get(f"{engine.url}/get_model_info", timeout=30).status_code == 200
+    assert requests.get(f"{engine.url}/health", timeout=30).status_code == 200

@@ -168,7 +168,7 @@ def test_managed_flags_are_listed() -> None:
         "model-path", "host", "port", "nccl-port", "base-gpu-id", "tp-size", "ep-size",
         "enable-dp-attention", "dp-size", "mem-fraction-static", "attention-backend", "quantization",
         "random-seed", "enable-memory-saver", "enable-deterministic-inference", "api-key",
-        "device", "dtype", "max-total-tokens", "sleep-on-idle",
+        "admin-api-key", "device", "dtype", "max-total-tokens", "sleep-on-idle",
     )  # fmt: skip
 
 

@@ -23,7 +23,11 @@ from tests.conftest import REPO
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 VARIANTS = {
     "as shipped": [],
-    "true on-policy + api key": ["algorithm.true_on_policy=true", "rollout.api_key=k"],
+    "true on-policy + keys": [
+        "algorithm.true_on_policy=true",
+        "rollout.api_key=k",
+        "rollout.admin_api_key=a",
+    ],
 }
 
 
@@ -63,7 +67,8 @@ def _expected(config: SlimConfig, index: int, base: int, on_cpu: bool) -> dict[s
         "tp_size": rollout.gpus_per_engine, "ep_size": sglang.ep_size,
         "enable_dp_attention": sglang.dp_attention, "attention_backend": backend,
         "quantization": sglang.quantization, "random_seed": config.run.seed + index,
-        "api_key": rollout.api_key, "enable_memory_saver": config.cluster.colocate and not on_cpu,
+        "api_key": rollout.api_key, "admin_api_key": rollout.admin_api_key,
+        "enable_memory_saver": config.cluster.colocate and not on_cpu,
         "enable_deterministic_inference": config.algorithm.true_on_policy and not on_cpu,
     }  # fmt: skip
     if sglang.dp_attention:

@@ -186,7 +186,12 @@ class RolloutConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     """Router in front of the fleet."""
     api_key: str | None = None
-    """Protects the engines' control endpoints."""
+    """Key for every endpoint of the engines, /generate included (SGLang `--api-key`); null leaves
+    generation open to whoever reaches an engine (the control endpoints stay guarded)."""
+    admin_api_key: str | None = None
+    """Key for the engines' control endpoints: weight updates, memory, pause, abort, flush (SGLang
+    `--admin-api-key`). Null: every `slimrl train` / `slimrl rollout` draws a fresh one, so no
+    engine a run starts has them open on the network."""
     save_samples: bool = True
     """Write each rollout's samples to `rollout_samples.jsonl` in the run directory."""
 

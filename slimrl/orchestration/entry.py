@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 from pathlib import Path
 
@@ -14,9 +15,14 @@ logger = logging.getLogger("slimrl")
 
 
 def prepare_run_dir(config: SlimConfig) -> Path:
+    """Create the run directory and save the config there; then give the run its engines' admin
+    key (drawn here, after saving, so it never lands on disk; a resumed run draws a new one, as
+    its engines are new)."""
     run_dir = Path(config.run.runs_dir) / config.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
+    if config.rollout.admin_api_key is None:
+        config.rollout.admin_api_key = secrets.token_urlsafe(24)
     return run_dir
 
 

@@ -115,6 +115,7 @@ class RolloutManager:
             router_url=self.router.url if self.router else None,
             router_dropped_fields=dropped,
             api_key=config.rollout.api_key,
+            admin_api_key=config.rollout.admin_api_key,
             request_timeout_s=config.rollout.request_timeout_s,
         )
         tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)

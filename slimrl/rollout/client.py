@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from slimrl.errors import SlimError
+from slimrl.weight_sync.engines import auth_header
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class FleetClient:
         router_url: str | None = None,
         router_dropped_fields: Iterable[str] = (),
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         request_timeout_s: float = 300.0,
         max_attempts: int = 4,
     ) -> None:
@@ -93,6 +95,7 @@ class FleetClient:
         self.router_url = router_url
         self.router_dropped = set(router_dropped_fields)
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max_attempts
         self.in_flight: dict[str, int] = dict.fromkeys(self.engines, 0)
@@ -145,8 +148,8 @@ class FleetClient:
         if session is not None:
             await session.close()
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _headers(self, endpoint: str) -> dict[str, str]:
+        return auth_header(endpoint, self.api_key, self.admin_api_key)
 
     # ------------------------------------------------------------------ generate
     def _pick_engine(self, exclude: set[str]) -> str:
@@ -224,7 +227,9 @@ class FleetClient:
         """(response, "") on success, (None, reason) on a retryable failure; raises on a 4xx."""
         self.in_flight[url] = self.in_flight.get(url, 0) + 1
         try:
-            async with self._session().post(f"{url}/generate", json=body, headers=self._headers()) as resp:
+            async with self._session().post(
+                f"{url}/generate", json=body, headers=self._headers("generate")
+            ) as resp:
                 text = await resp.text()
                 if resp.status >= 500:
                     return None, error_message(resp.status, text)
@@ -262,7 +267,10 @@ class FleetClient:
             async with gate:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with self._session().post(
-                        f"{url}/abort_request", json={"rid": rid}, headers=self._headers(), timeout=timeout
+                        f"{url}/abort_request",
+                        json={"rid": rid},
+                        headers=self._headers("abort_request"),
+                        timeout=timeout,
                     ) as resp:
                         await resp.read()
 
@@ -300,7 +308,11 @@ class FleetClient:
         async def one(url: str) -> Any:
             try:
                 async with self._session().request(
-                    method, f"{url}/{endpoint}", json=payload, headers=self._headers(), timeout=timeout
+                    method,
+                    f"{url}/{endpoint}",
+                    json=payload,
+                    headers=self._headers(endpoint),
+                    timeout=timeout,
                 ) as resp:
                     text = await resp.text()
                     if resp.status != 200:

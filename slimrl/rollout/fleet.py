@@ -100,6 +100,7 @@ class Fleet:
             router_url=self.router.url if self.router else None,
             router_dropped_fields=dropped,
             api_key=self.config.rollout.api_key,
+            admin_api_key=self.config.rollout.admin_api_key,
             request_timeout_s=self.config.rollout.request_timeout_s,
         )
         logger.info(

@@ -163,6 +163,8 @@ def embedded_command(config: SlimConfig, model_path: str, host: str, port: int, 
     cmd += ["--seed", str(config.run.seed + index)]
     if config.rollout.api_key:
         cmd += ["--api-key", config.rollout.api_key]
+    if config.rollout.admin_api_key:
+        cmd += ["--admin-api-key", config.rollout.admin_api_key]
     if config.algorithm.true_on_policy:
         cmd += ["--true-on-policy"]
     return cmd

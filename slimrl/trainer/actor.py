@@ -274,8 +274,9 @@ class MegatronActor:
 
         rollout = self.config.rollout
         return push_weights(
-            self, urls, transport, version, rollout.update_weight_buffer_bytes, sync_dir, rollout.api_key
-        )
+            self, urls, transport, version, rollout.update_weight_buffer_bytes, sync_dir,
+            rollout.api_key, rollout.admin_api_key,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str) -> None:

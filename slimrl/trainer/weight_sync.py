@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def sync_target(
-    actor: MegatronActor, urls: list[str], version: str, sync_dir: str | None, api_key: str | None
+    actor: MegatronActor, urls: list[str], version: str, sync_dir: str | None, calls: EngineCalls
 ) -> SyncTarget:
     """The same description of the sync on every rank (rank 0 picks the group's port)."""
     from slimrl.utils.net import free_port, node_address
@@ -45,7 +45,7 @@ def sync_target(
         else torch.device("cpu")
     )
     return SyncTarget(
-        engines=[Engine(url, tp_size) for url in urls], calls=EngineCalls(api_key), version=version,
+        engines=[Engine(url, tp_size) for url in urls], calls=calls, version=version,
         rank=dist.get_rank(), world_size=dist.get_world_size(), device=device,
         directory=Path(sync_dir) if sync_dir else None, group_address=host, group_port=port,
     )  # fmt: skip
@@ -59,11 +59,12 @@ def push_weights(
     bucket_bytes: int,
     sync_dir: str | None = None,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> dict[str, float]:
     """All training ranks call this together; returns bytes pushed by this rank and seconds."""
     assert actor.state is not None
     start = time.perf_counter()
-    target = sync_target(actor, urls, version, sync_dir, api_key)
+    target = sync_target(actor, urls, version, sync_dir, EngineCalls(api_key, admin_api_key))
     if target.directory is not None and target.rank == 0:
         target.directory.mkdir(parents=True, exist_ok=True)
     sender = make_transport(transport, target)

@@ -16,6 +16,26 @@ import requests
 
 from slimrl.errors import SlimError
 
+ADMIN_ENDPOINTS = frozenset(
+    {
+        "flush_cache", "abort_request", "pause_generation", "continue_generation",
+        "release_memory_occupation", "resume_memory_occupation", "update_weights_from_disk",
+        "update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group",
+        "destroy_weights_update_group", "update_weight_version", "get_weights_by_name",
+        "begin_weight_update", "end_weight_update",
+    }
+)  # fmt: skip
+"""SGLang 0.5.23's admin-level endpoints among those slimrl calls or serves: with an admin key
+set they need it (and refuse the plain API key); every other endpoint needs the plain key, if any.
+`tests/test_engine_auth.py` checks the set against SGLang's own route decorators."""
+
+
+def auth_header(endpoint: str, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:
+    """The `Authorization` header SGLang wants for `endpoint` from a client holding both keys."""
+    admin = endpoint.strip("/") in ADMIN_ENDPOINTS
+    key = (admin_api_key or api_key) if admin else api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
 
 @dataclass(frozen=True, slots=True)
 class Engine:
@@ -27,13 +47,14 @@ class Engine:
 
 @dataclass(frozen=True, slots=True)
 class EngineCalls:
-    """POSTs to engines with the run's API key and a bound on every wait."""
+    """POSTs to engines with the run's keys and a bound on every wait."""
 
     api_key: str | None = None
+    admin_api_key: str | None = None
     timeout_s: float = 600.0
 
     def post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> Any:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = auth_header(endpoint, self.api_key, self.admin_api_key)
         try:
             reply = requests.post(
                 f"{url}/{endpoint}", json=body or {}, headers=headers, timeout=self.timeout_s

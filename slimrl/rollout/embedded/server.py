@@ -45,28 +45,15 @@ from slimrl.rollout.embedded.engine import PAUSE_MODES, Engine, EngineError, Gen
 from slimrl.rollout.embedded.protocol import generate_response, parse_generate
 from slimrl.rollout.embedded.sampling import SamplingParams
 from slimrl.rollout.embedded.weights import WeightUpdateError
+from slimrl.weight_sync.engines import ADMIN_ENDPOINTS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SGLANG_API_VERSION = "0.5.23"
 HEALTH_CHECK_TIMEOUT_S = 20.0
-OPEN_PATHS = frozenset(
-    {
-        "/generate",
-        "/health",
-        "/health_generate",
-        "/ping",
-        "/ready",
-        "/get_model_info",
-        "/model_info",
-        "/get_server_info",
-        "/server_info",
-        "/get_load",
-        "/v1/loads",
-    }
-)
-"""Endpoints that need no API key: generation, health and read-only information."""
+ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+"""Probes answer without a key, as in SGLang (load balancers and Prometheus hold no secrets)."""
 SUCCESS_SHAPED = frozenset(
     {
         "/update_weights_from_disk",
@@ -99,12 +86,29 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    """SGLang's `--api-key`: every endpoint but the probes needs it (admin ones only without an admin key)."""
+    admin_api_key: str | None = None
+    """SGLang's `--admin-api-key`: the control endpoints (`ADMIN_ENDPOINTS`) need it, and only it."""
     max_running_requests: int = 64
     seed: int = 0
     weight_version: str = "default"
     group_timeout_s: float = 120.0
     true_on_policy: bool = False
     """Report trainer-identical logprobs (`megatron_scorer.MegatronScorer`)."""
+
+
+def request_allowed(path: str, authorization: str | None, args: ServerArgs) -> bool:
+    """SGLang 0.5.23's rule for its two keys (checked against SGLang's own decision function in
+    `tests/test_engine_auth.py`): probes are open; a control endpoint needs the admin key when
+    one is set, else the API key when one is set; any other endpoint needs the API key if set."""
+    if path.startswith(ALWAYS_OPEN_PREFIXES):
+        return True
+    control = path.strip("/") in ADMIN_ENDPOINTS
+    key = (args.admin_api_key or args.api_key) if control else args.api_key
+    if not key:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode())
 
 
 class HttpError(Exception):
@@ -254,12 +258,11 @@ class EmbeddedServer:
         for methods, path, handler in routes:
             for method in methods:
                 app.router.add_route(method, path, handler)
-        self._control_paths = frozenset(path for _, path, _ in routes) - OPEN_PATHS
         return app
 
-    def _is_control(self, path: str) -> bool:
-        """Control endpoints need the API key."""
-        return path in self._control_paths
+    @staticmethod
+    def _is_control(path: str) -> bool:
+        return path.strip("/") in ADMIN_ENDPOINTS
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -296,11 +299,8 @@ class EmbeddedServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = self.args.api_key
-        if key and self._is_control(request.path):
-            header = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's body
+        if not request_allowed(request.path, request.headers.get("Authorization"), self.args):
+            return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's body
         return await handler(request)
 
     def _engine(self) -> Engine:

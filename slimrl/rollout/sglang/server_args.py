@@ -95,6 +95,7 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     # numerics of an FSDP trainer, and slimrl's trainer is Megatron (see REFUSED_EXTRA_ARGS).
     ("enable-deterministic-inference", _gpu_only(lambda launch: launch.config.algorithm.true_on_policy)),
     ("api-key", lambda launch: launch.config.rollout.api_key),
+    ("admin-api-key", lambda launch: launch.config.rollout.admin_api_key),
     # CPU servers (slimrl/compat/sglang_cpu): SGLang's torch code paths, float32, a small KV pool.
     ("device", lambda launch: "cpu" if launch.on_cpu else None),
     ("dtype", lambda launch: sglang_cpu.CPU_DTYPE if launch.on_cpu else None),

@@ -243,6 +243,9 @@ def test_checkpoint_resume_continues_bit_for_bit(tmp_path, tiny_model):
         assert {k: v for k, v in got.items() if k.startswith("train/")} == {
             k: v for k, v in expected.items() if k.startswith("train/")
         }
+    # critic.load starts a new run's critic from the saved one (weights only)
+    loaded = run(tmp_path, tiny_model, "load_critic", 2, f"critic.load={ckpt / 'critic'}", *layout)
+    assert [r["critic_at_start"] for r in loaded] == [r["critic_at_save"] for r in saved]
 
 
 @pytest.mark.slow

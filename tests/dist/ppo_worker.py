@@ -8,7 +8,8 @@ Scenarios:
   `unfused`   one step as `steps`, then a critic step after a separate forward-only value pass
               (what steps_per_rollout > 1 does), to compare with the fused second step of `steps`;
   `save`      one step, checkpoint into OUT_DIR/ckpt, then a second step;
-  `resume`    load the checkpoint named by the argument `--from=DIR`, then one step.
+  `resume`    load the checkpoint named by the argument `--from=DIR`, then one step;
+  `load_critic` digest of the critic built with `critic.load=...`.
 Each rank writes OUT_DIR/rank<k>.json.
 """
 
@@ -125,12 +126,15 @@ def main() -> None:
         result["metrics"].append(metrics)
     elif scenario == "save":
         step()
+        result["critic_at_save"] = digest(actor.critic.state.model)
         (out_dir / "ckpt").mkdir(exist_ok=True)
         save_train_state(actor, out_dir / "ckpt")
         step()
     elif scenario == "resume":
         load_train_state(actor, sources[0])
         step()
+    elif scenario == "load_critic":  # critic.load=...: only the value model's weights
+        result["critic_at_start"] = digest(actor.critic.state.model)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
     destroy_distributed()
 

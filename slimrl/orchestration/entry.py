@@ -7,23 +7,28 @@ import secrets
 import signal
 from pathlib import Path
 
-from slimrl.config.checks import resolve_device, train_world_size
+from slimrl.config.checks import check_run_inputs, resolve_device, train_world_size
+from slimrl.config.finalize import finalize
 from slimrl.config.loader import save_config
 from slimrl.config.schema import SlimConfig
 
 logger = logging.getLogger("slimrl")
 
 
-def prepare_run_dir(config: SlimConfig) -> Path:
-    """Create the run directory and save the config there; then give the run its engines' admin
-    key (drawn here, after saving, so it never lands on disk; a resumed run draws a new one, as
-    its engines are new)."""
+def prepare_run_dir(config: SlimConfig) -> tuple[Path, SlimConfig]:
+    """Create the run directory; write `config.yaml` (the config as given) and `resolved.yaml`
+    (every derived value filled in: `finalize`), neither with its secrets. Returns the directory
+    and the resolved config, which the run uses from here on; it then gets the engines' admin key
+    (drawn after saving, so it never lands on disk; a resumed run draws a new one, as its engines
+    are new)."""
     run_dir = Path(config.run.runs_dir) / config.run.name
+    resolved = finalize(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
-    if config.rollout.admin_api_key is None:
-        config.rollout.admin_api_key = secrets.token_urlsafe(24)
-    return run_dir
+    save_config(resolved, run_dir / "resolved.yaml")
+    if resolved.rollout.admin_api_key is None:
+        resolved.rollout.admin_api_key = secrets.token_urlsafe(24)
+    return run_dir, resolved
 
 
 def setup_logging(level: str) -> None:
@@ -45,17 +50,21 @@ def run_training(config: SlimConfig) -> Path:
     from slimrl.trainer import checkpoint
 
     setup_logging(config.logging.level)
+    check_run_inputs(config)  # everything else was checked when the config loaded
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: Ray and servers stop
     run_path = Path(config.run.runs_dir) / config.run.name
     checkpoint.prepare_start(
         checkpoint.checkpoint_root(config, run_path), config.checkpoint.resume, config.checkpoint.overwrite
     )
-    run_dir = prepare_run_dir(config)
+    run_dir, config = prepare_run_dir(config)
     device = resolve_device(config)
     world = train_world_size(config)
     total_slots = config.cluster.num_nodes * config.cluster.gpus_per_node
     logger.info("run dir %s; %d training ranks on %s", run_dir, world, device)
     start_ray(config, device, total_slots)
+    # ray.init installs Ray's own SIGTERM handler (a C++ stack dump, then death by the signal, with
+    # engines and checkpoints left to chance): ours again, so SIGTERM unwinds like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         slots = create_device_slots(total_slots, use_gpu=device == "cuda")
         trainers = TrainerGroup(config, slots, world, share=TRAIN_SHARE_COLOCATED)

@@ -93,6 +93,9 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
     def ready(url: str) -> None:
+        from slimrl.utils.gc_tuning import freeze_startup_heap
+
+        freeze_startup_heap()  # the loaded model and libraries: out of every later collection
         print(f"slimrl serve: ready at {url} (model {args.model})", flush=True)
 
     try:

@@ -298,6 +298,9 @@ def run_rl(
             "%d training ranks (%d data-parallel), %d parameters", world, trainers.dp_size,
             sum(s["local_params"] for s in summaries),
         )  # fmt: skip
+        from slimrl.utils.gc_tuning import freeze_startup_heap
+
+        freeze_startup_heap()  # the driver's Ray, torch and config objects: out of later collections
         RLRun(config, run_dir, trainers, fleet, handoff).run()
     finally:
         fleet.shutdown()

@@ -128,6 +128,9 @@ class RolloutManager:
         # such as pause must not wait for a running rollout), all of them on this loop.
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
+        from slimrl.utils.gc_tuning import freeze_startup_heap
+
+        freeze_startup_heap()  # full collections of the start-up heap stalled every rollout
 
     def _run(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()

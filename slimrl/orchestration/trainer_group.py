@@ -47,6 +47,7 @@ class TrainerGroup:
 
         summaries = ray.get([a.call.remote("setup", total_steps) for a in self.actors])
         coords = ray.get([a.call.remote("coordinates") for a in self.actors])
+        ray.get([a.freeze_startup_heap.remote() for a in self.actors])
         self.dp_rank_of = [c["dp"] for c in coords]
         return summaries
 
@@ -131,3 +132,9 @@ class _ActorHost:
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.actor, method)(*args)
+
+    def freeze_startup_heap(self) -> int:
+        """After set-up: Megatron, torch and the model stay out of later garbage collections."""
+        from slimrl.utils.gc_tuning import freeze_startup_heap
+
+        return freeze_startup_heap()

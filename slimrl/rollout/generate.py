@@ -11,7 +11,8 @@ SGLang's `/generate` response dict. `apply_response` does the bookkeeping for on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
@@ -22,6 +23,12 @@ from slimrl.sample import Sample, Status
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
+PROMPT_CACHE_SIZE = 4096
+"""Rendered prompts kept per context: the samples of a group share one prompt, so a rollout
+tokenizes each prompt once instead of `n_samples_per_prompt` times (transformers' `encode` costs
+about as much CPU as the whole HTTP request of a one-token answer)."""
+
+
 @dataclass
 class RolloutContext:
     """What hooks get: the config, the HF tokenizer and the fleet client."""
@@ -30,6 +37,23 @@ class RolloutContext:
     tokenizer: Any
     client: FleetClient
     rollout_id: int = 0
+    _prompt_ids: OrderedDict[str, list[int]] = field(default_factory=OrderedDict, repr=False)
+
+    def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """`render_prompt` under the config's chat-template setting, memoised for text prompts
+        (a fresh list each call: callers own it)."""
+        apply_template = self.config.data.apply_chat_template
+        if not isinstance(prompt, str):
+            return render_prompt(self.tokenizer, prompt, apply_template)
+        ids = self._prompt_ids.get(prompt)
+        if ids is None:
+            ids = render_prompt(self.tokenizer, prompt, apply_template)
+            self._prompt_ids[prompt] = ids
+            if len(self._prompt_ids) > PROMPT_CACHE_SIZE:
+                self._prompt_ids.popitem(last=False)
+        else:
+            self._prompt_ids.move_to_end(prompt)
+        return list(ids)
 
 
 def sampling_params_for(config: SlimConfig, evaluation: bool = False) -> dict[str, Any]:
@@ -85,7 +109,7 @@ def turn_weight_versions(meta: dict[str, Any]) -> list[str]:
 async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """Single-turn generation; continues a partial sample (partial rollout) where it stopped."""
     if not sample.tokens:
-        sample.tokens = render_prompt(ctx.tokenizer, sample.prompt, ctx.config.data.apply_chat_template)
+        sample.tokens = ctx.prompt_ids(sample.prompt)
     params = dict(sampling_params)
     params["max_new_tokens"] = max(0, params["max_new_tokens"] - sample.response_length)
     if params["max_new_tokens"] == 0:

@@ -72,6 +72,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 PREFILL_TOKEN_BUDGET = 8192
 """Padded tokens per batched prefill forward (bounds its activation memory)."""
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+DECODE_CACHE_MAX_TOKENS = 4
+DECODE_CACHE_SIZE = 65536
+"""Decoded texts of outputs up to DECODE_CACHE_MAX_TOKENS tokens kept (cleared when full)."""
 
 
 class EngineError(Exception):
@@ -239,6 +242,7 @@ class Engine:
         self.weight_version = weight_version
         self.steps = 0
         """Scheduler steps run so far (tests use it to stagger arrivals)."""
+        self._decoded: dict[tuple[tuple[int, ...], bool], str] = {}
 
         self._experts = _expert_modules(self.model)
         self.top_k_experts = int(getattr(self.config, "num_experts_per_tok", 0) or 0)
@@ -825,7 +829,7 @@ class Engine:
         trim = reason["type"] == "stop" and not p.no_stop_trim
         # SGLang keeps a matched stop token in `output_ids` either way; only the text drops it.
         shown = generated[:-1] if trim and isinstance(matched, int) and generated else generated
-        text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        text = self._decode_text(shown, p.skip_special_tokens)
         if trim and isinstance(matched, str) and matched in text:
             text = text[: text.find(matched)]
         logprobs = list(req.logprobs)
@@ -850,6 +854,20 @@ class Engine:
             num_retractions=req.retractions,
             decode_logprob_max_abs_diff=decode_diff,
         )
+
+    def _decode_text(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """`tokenizer.decode`, memoised for short outputs (RL answers of a token or a few repeat
+        thousands of times per rollout, and each decode costs as much as sampling the token)."""
+        if len(ids) > DECODE_CACHE_MAX_TOKENS:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        key = (tuple(ids), skip_special_tokens)
+        text = self._decoded.get(key)
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            if len(self._decoded) >= DECODE_CACHE_SIZE:
+                self._decoded.clear()
+            self._decoded[key] = text
+        return text
 
     def _rescore(self, tokens: list[int], response_length: int, temperature: float) -> list[float]:
         assert self.rescorer is not None

@@ -4,6 +4,7 @@ layout- and micro-batching-invariant updates, byte-exact offload, the policy mov
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -127,6 +128,48 @@ def test_algorithm_variants_train(tmp_path, tiny_model, overrides):
         assert first["train/tis_weight"] == pytest.approx(1.0)  # exact logprobs: every weight is 1
         assert first["train/mis_dropped"] == 0.0
         assert first["train/kl_loss"] == 0.0 and second["train/kl_loss"] > 0.0
+
+
+def test_reference_from_ref_load_and_checkpoint_hf_export(tmp_path, tiny_model):
+    """`model.ref_load`: the KL reference is that checkpoint's model, not the initial policy (whose
+    KL at the first step is exactly 0); `checkpoint.save_hf`: every checkpoint holds an `hf/` model
+    that transformers loads as is and that gives the trainer's logprobs, written by two EP ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import PYTHON
+    from tests.dist.rl_worker import make_batch
+
+    other = tmp_path / "other_mcore"  # a different model of the same shape, as a Megatron checkpoint
+    convert = [PYTHON, "-m", "slimrl.cli", "convert", "hf-to-mcore", "--workers", "1"]
+    proc = subprocess.run(
+        [*convert, "--hf-dir", str(tiny_model("qwen3_moe", seed=1)), "--out", str(other)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    policy = tiny_model("qwen3_moe")
+    args = [
+        "steps", f"model.hf_checkpoint={policy}", "cluster.gpus_per_node=2", "parallel.ep=2",
+        "train.optimizer.lr=1e-3", "train.max_tokens_per_gpu=40", "algorithm.kl_loss_coef=0.1",
+        f"model.ref_load={other}", "checkpoint.save_hf=true",
+    ]  # fmt: skip
+    results = run_torchrun(WORKER, 2, args, tmp_path / "out")
+    assert last_stage(results)["metrics"][0]["train/kl_loss"] > 1e-3
+
+    hf = tmp_path / "out" / "ckpt" / "hf"
+    for name in ("config.json", "tokenizer.json", "model.safetensors.index.json"):
+        assert (hf / name).is_file(), name
+    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    vocab = json.loads((policy / "config.json").read_text())["vocab_size"]
+    for rank in results:
+        batch = make_batch(vocab, 2, rank["coords"]["dp"])
+        for index, trainer_logprobs in rank["after_logprobs"].items():
+            tokens = torch.tensor([batch.tokens[int(index)]])
+            n = batch.response_lengths[int(index)]
+            with torch.no_grad():
+                logits = model(tokens).logits.float()
+            logprobs = torch.log_softmax(logits[0, -n - 1 : -1], dim=-1)
+            ours = logprobs.gather(1, tokens[0, -n:, None])[:, 0]
+            assert ours.tolist() == pytest.approx(trainer_logprobs, abs=1e-4)
 
 
 def test_worker_scenarios_are_json(tmp_path):

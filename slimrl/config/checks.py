@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
@@ -37,22 +40,136 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 
-POSITIVE: tuple[str, ...] = (
-    "cluster.num_nodes",
-    "rollout.num_engines",
-    "rollout.gpus_per_engine",
-    "rollout.rollout_batch_size",
-    "rollout.n_samples_per_prompt",
-    "rollout.max_concurrency",
-    "rollout.sampling.max_new_tokens",
-    "rollout.update_weight_buffer_bytes",
-    "train.num_steps",
-    "train.micro_batch_size",
-    "train.steps_per_rollout",
-    "train.max_seq_len",
-    "train.logprob_chunk_tokens",
-    "checkpoint.keep_last",
-)
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The valid values of one numeric field: `low`/`high` bounds (None: unbounded), inclusive
+    unless `*_open`; `also` admits one special value outside them (`top_k`'s -1); `why` replaces the
+    generic "must be ..." when a field needs its own words. Null passes wherever the schema allows it
+    (the loader refuses null for a non-optional field)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[float, str] | None = None
+    why: str | None = None
+
+    def admits(self, value: float) -> bool:
+        if self.also is not None and value == self.also[0]:
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low = None if self.low is None else _num(self.low)
+        high = None if self.high is None else _num(self.high)
+        if low is not None and high is not None:
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        elif low is not None:
+            text = f"{'>' if self.low_open else '>='} {low}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {high}"
+        return f"{_num(self.also[0])} ({self.also[1]}) or {text}" if self.also else text
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+_AT_LEAST_1 = Range(low=1)
+_AT_LEAST_0 = Range(low=0)
+_ABOVE_0 = Range(low=0, low_open=True)
+_FRACTION = Range(low=0, high=1)
+_BETA = Range(low=0, high=1, high_open=True)
+_SAMPLING: dict[str, Range] = {
+    "temperature": _AT_LEAST_0,
+    "top_p": Range(low=0, high=1, low_open=True),
+    "top_k": Range(low=1, also=(-1, "the whole vocabulary")),
+    "max_new_tokens": _AT_LEAST_1,
+}
+
+RANGES: dict[str, Range] = {
+    "run.seed": Range(low=0, high=2**31 - 1),
+    "ray.num_cpus": _AT_LEAST_1,
+    "cluster.num_nodes": _AT_LEAST_1,
+    "cluster.gpus_per_node": Range(low=1, why="must be >= 1 (on CPU: process slots)"),
+    "cluster.rollout_gpus": _AT_LEAST_0,
+    "cluster.gpu_memory_gb": _ABOVE_0,
+    "parallel.tp": _AT_LEAST_1,
+    "parallel.pp": _AT_LEAST_1,
+    "parallel.vpp": _AT_LEAST_1,
+    "parallel.cp": _AT_LEAST_1,
+    "parallel.ep": _AT_LEAST_1,
+    "parallel.etp": _AT_LEAST_1,
+    "parallel.dp": _AT_LEAST_1,
+    **{f"rollout.sampling.{key}": value for key, value in _SAMPLING.items()},
+    **{f"eval.sampling.{key}": value for key, value in _SAMPLING.items()},
+    "rollout.num_engines": _AT_LEAST_1,
+    "rollout.gpus_per_engine": _AT_LEAST_1,
+    "rollout.rollout_batch_size": _AT_LEAST_1,
+    "rollout.n_samples_per_prompt": _AT_LEAST_1,
+    "rollout.over_sampling_batch_size": _AT_LEAST_1,
+    "rollout.max_concurrency": _AT_LEAST_1,
+    "rollout.request_timeout_s": _ABOVE_0,
+    "rollout.dynamic_sampling_std_threshold": _AT_LEAST_0,
+    "rollout.update_weight_buffer_bytes": _AT_LEAST_1,
+    "rollout.sglang.mem_fraction_static": Range(low=0, high=1, low_open=True, high_open=True),
+    "rollout.sglang.ep_size": _AT_LEAST_1,
+    "rollout.sglang.server_timeout_s": _ABOVE_0,
+    "data.max_prompt_tokens": _AT_LEAST_1,
+    "algorithm.eps_clip": _ABOVE_0,
+    "algorithm.eps_clip_high": _ABOVE_0,
+    "algorithm.dual_clip_c": Range(low=1, low_open=True),
+    "algorithm.loss_norm_tokens": Range(
+        low=1, why="must be a positive number of tokens, or null for rollout.sampling.max_new_tokens"
+    ),
+    "algorithm.kl_coef": _AT_LEAST_0,
+    "algorithm.kl_loss_coef": _AT_LEAST_0,
+    "algorithm.entropy_coef": _AT_LEAST_0,
+    "algorithm.gamma": _FRACTION,
+    "algorithm.lambd": _FRACTION,
+    "algorithm.tis_clip_low": _AT_LEAST_0,
+    "algorithm.tis_clip_high": _ABOVE_0,
+    "algorithm.mis_low": _AT_LEAST_0,
+    "algorithm.mis_high": _ABOVE_0,
+    "algorithm.overlong_buffer_len": _AT_LEAST_1,
+    "algorithm.overlong_penalty_factor": _AT_LEAST_0,
+    "algorithm.async_staleness": _AT_LEAST_0,
+    "train.num_steps": _AT_LEAST_1,
+    "train.global_batch_size": _AT_LEAST_1,
+    "train.micro_batch_size": _AT_LEAST_1,
+    "train.max_tokens_per_gpu": Range(low=1, why="must be >= 1 tokens, or null for micro_batch_size"),
+    "train.steps_per_rollout": _AT_LEAST_1,
+    "train.max_seq_len": _AT_LEAST_1,
+    "train.logprob_chunk_tokens": _AT_LEAST_1,
+    "train.oom_max_splits": _AT_LEAST_0,
+    "train.inject_oom_above_tokens": _AT_LEAST_1,
+    "train.optimizer.lr": _ABOVE_0,
+    "train.optimizer.min_lr": _AT_LEAST_0,
+    "train.optimizer.weight_decay": _AT_LEAST_0,
+    "train.optimizer.adam_beta1": _BETA,
+    "train.optimizer.adam_beta2": _BETA,
+    "train.optimizer.adam_eps": _ABOVE_0,
+    "train.optimizer.clip_grad": _AT_LEAST_0,
+    "train.lr_schedule.warmup_steps": _AT_LEAST_0,
+    "train.lr_schedule.decay_steps": _AT_LEAST_1,
+    "critic.lr": Range(
+        low=0, low_open=True, why="algorithm.advantage_estimator=ppo trains a value model at this rate (> 0)"
+    ),
+    "critic.min_lr": _AT_LEAST_0,
+    "critic.warmup_steps": _AT_LEAST_0,
+    "critic.value_clip": _ABOVE_0,
+    "checkpoint.save_interval": Range(low=1, why="must be a positive number of steps, or null for never"),
+    "checkpoint.keep_last": Range(low=1, why="must be >= 1 (0 would delete every checkpoint)"),
+    "logging.log_interval": _AT_LEAST_1,
+    "eval.interval": Range(low=1, why="must be a positive number of steps, or null for never"),
+    "eval.n_samples_per_prompt": _AT_LEAST_1,
+}
+"""Every numeric field of the schema (tests/test_config.py fails on one missing here)."""
 
 
 def _get(config: SlimConfig, dotted: str) -> object:
@@ -108,19 +225,14 @@ def check_config(config: SlimConfig) -> None:
         if value not in valid:
             shown = ", ".join("null" if v is None else str(v) for v in valid)
             raise ConfigError(f"{key}={value}: not one of {shown}")
-    for key in POSITIVE:
-        value = _get(config, key)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key}={value}: must be a positive integer")
-    for key in ("checkpoint.save_interval", "eval.interval"):
-        value = _get(config, key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key}={value}: must be a positive number of steps, or null for never")
+    _check_ranges(config)
     _check_paths(config)
     if config.rollout.engine == "sglang":
         from slimrl.compat.sglang_cpu import check_sglang_version
+        from slimrl.rollout.sglang.server_args import validate_sglang_config
 
         check_sglang_version()  # the pinned release, before anything starts
+        validate_sglang_config(config)
     _check_cluster(config)
     _check_engine_nodes(config)
     _check_weight_sync(config)
@@ -128,6 +240,41 @@ def check_config(config: SlimConfig) -> None:
     _check_parallel(config)
     _check_algorithm(config)
     _check_critic(config)
+    _check_training(config)
+    _check_rewards(config)
+    _check_hooks(config)
+    _check_data(config)
+
+
+def check_run_inputs(config: SlimConfig) -> None:
+    """What only a real run needs, checked before it creates anything (`slimrl train` and `slimrl
+    rollout`; `--dry-run` and `slimrl plan` work from a config alone, as the shipped GPU configs
+    with a config.json-only model directory do): a prompt data set, and weights to load."""
+    if config.data.prompt_data is None:
+        needs = "SFT trains on" if config.algorithm.loss == "sft" else "rollouts draw from"
+        raise ConfigError(f"data.prompt_data=null: {needs} a prompt data set (JSONL or Parquet); set it")
+    hf = Path(config.model.hf_checkpoint)
+    weights = [*hf.glob("*.safetensors"), *hf.glob("*.safetensors.index.json")]
+    engines = config.algorithm.loss == "policy"  # the engines serve the HF weights in any case
+    if not weights and (engines or (config.model.init_from_hf and config.model.load is None)):
+        raise ConfigError(
+            f"model.hf_checkpoint={hf}: no *.safetensors weights (config.json only?); point it at a "
+            "downloaded checkpoint"
+            + ("" if engines else ", or set model.init_from_hf=false to start from random weights")
+        )
+
+
+def _check_ranges(config: SlimConfig) -> None:
+    for key, valid in RANGES.items():
+        value = _get(config, key)
+        if value is not None and not valid.admits(value):  # type: ignore[arg-type]
+            raise ConfigError(f"{key}={value}: {valid.why or 'must be ' + valid.describe()}")
+    for section in ("rollout.sampling", "eval.sampling"):
+        for token in _get(config, f"{section}.stop_token_ids"):  # type: ignore[union-attr]
+            if token < 0:
+                raise ConfigError(f"{section}.stop_token_ids: holds {token}; token ids are >= 0")
+        if any(stop == "" for stop in _get(config, f"{section}.stop")):  # type: ignore[union-attr]
+            raise ConfigError(f"{section}.stop: holds an empty string, which would stop at once")
 
 
 def _check_paths(config: SlimConfig) -> None:
@@ -220,21 +367,53 @@ def _check_parallel(config: SlimConfig) -> None:
             raise ConfigError("parallel.moe_token_dispatcher=flex: DeepEP needs GPUs; use alltoall on CPU")
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
     layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
-    rollout = config.rollout
+    for section in ("rollout.sampling", "eval.sampling"):
+        for token in _get(config, f"{section}.stop_token_ids"):  # type: ignore[union-attr]
+            if token >= arch.vocab_size:
+                raise ConfigError(
+                    f"{section}.stop_token_ids: holds {token}, outside the model's vocabulary "
+                    f"[0, {arch.vocab_size})"
+                )
+    _check_batches(config, layout.dp)
+
+
+def _check_batches(config: SlimConfig, dp: int) -> None:
+    """Every optimizer step gets the same number of samples on every data-parallel rank.
+
+    SFT: `train.global_batch_size` samples per step (null: DEFAULT_SFT_BATCH). RL: a rollout of
+    rollout_batch_size * n_samples_per_prompt samples is cut into `train.steps_per_rollout` equal
+    steps; `train.global_batch_size`, derived, may be set only to that value (a check, not a knob)."""
+    from slimrl.config.finalize import sft_batch_size
+
+    train, rollout = config.train, config.rollout
+    if config.algorithm.loss == "sft":
+        batch = sft_batch_size(config)
+        if batch % dp:
+            raise ConfigError(
+                f"train.global_batch_size={batch}: SFT steps of {batch} samples must split evenly over "
+                f"{dp} data-parallel ranks" + (" (null means 32)" if train.global_batch_size is None else "")
+            )
+        return
     samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
-    if config.algorithm.loss == "policy" and samples % layout.dp:
+    steps = train.steps_per_rollout
+    if samples % (dp * steps):
+        per = f"{dp} data-parallel ranks" + (
+            f" x {steps} optimizer steps (train.steps_per_rollout)" if steps > 1 else ""
+        )
         raise ConfigError(
             f"rollout.rollout_batch_size={rollout.rollout_batch_size}: rollout_batch_size * "
-            f"n_samples_per_prompt = {samples} samples must split evenly over {layout.dp} data-parallel ranks"
+            f"n_samples_per_prompt = {samples} samples must split evenly over {per}"
+        )
+    if train.global_batch_size is not None and train.global_batch_size != samples // steps:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size}: in RL each optimizer step takes "
+            f"rollout_batch_size * n_samples_per_prompt / steps_per_rollout = {samples // steps} samples; "
+            "set it to that or leave it null (change the rollout size or train.steps_per_rollout instead)"
         )
 
 
 def _check_algorithm(config: SlimConfig) -> None:
     algo = config.algorithm
-    if algo.eps_clip <= 0:
-        raise ConfigError(f"algorithm.eps_clip={algo.eps_clip}: must be > 0")
-    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
-        raise ConfigError(f"algorithm.dual_clip_c={algo.dual_clip_c}: must be > 1")
     if algo.async_staleness > 0 and config.cluster.colocate:
         raise ConfigError(
             "algorithm.async_staleness>0: overlapping rollout and training needs separate devices "
@@ -285,11 +464,6 @@ def _check_estimator(config: SlimConfig) -> None:
             f"algorithm.lambd={algo.lambd}: the GAE lambda applies to advantage_estimator=ppo only "
             f"(got {estimator}); leave lambd at 1.0"
         )
-    if algo.loss_norm_tokens is not None and algo.loss_norm_tokens < 1:
-        raise ConfigError(
-            f"algorithm.loss_norm_tokens={algo.loss_norm_tokens}: must be a positive number of tokens, "
-            "or null for rollout.sampling.max_new_tokens"
-        )
     if not 0 <= algo.tis_clip_low <= algo.tis_clip_high:
         raise ConfigError(
             f"algorithm.tis_clip_low={algo.tis_clip_low}: must satisfy 0 <= tis_clip_low <= tis_clip_high "
@@ -312,11 +486,7 @@ def _check_estimator(config: SlimConfig) -> None:
             f"algorithm.overlong_buffer_len={algo.overlong_buffer_len}: the soft overlong buffer must be "
             f"1..{max_new} tokens (rollout.sampling.max_new_tokens), or null to disable it"
         )
-    if algo.overlong_penalty_factor < 0:
-        raise ConfigError(f"algorithm.overlong_penalty_factor={algo.overlong_penalty_factor}: must be >= 0")
     threshold = rollout.dynamic_sampling_std_threshold
-    if threshold < 0:
-        raise ConfigError(f"rollout.dynamic_sampling_std_threshold={threshold}: must be >= 0")
     if threshold > 0 and rollout.dynamic_sampling_filter_path is None:
         raise ConfigError(
             f"rollout.dynamic_sampling_std_threshold={threshold}: read by the dynamic-sampling filter; set "
@@ -340,13 +510,11 @@ def _check_critic(config: SlimConfig) -> None:
                 f"remove the critic settings or use ppo"
             )
         return
-    if critic.lr is None or critic.lr <= 0:
+    if critic.lr is None:
         raise ConfigError(
             f"critic.lr={'null' if critic.lr is None else critic.lr}: algorithm.advantage_estimator=ppo "
             f"trains a value model and needs its learning rate (e.g. critic.lr=1e-5, > 0)"
         )
-    if critic.value_clip <= 0:
-        raise ConfigError(f"critic.value_clip={critic.value_clip}: must be > 0")
     steps = config.train.num_steps
     if not 0 <= critic.warmup_steps < steps:
         raise ConfigError(
@@ -355,3 +523,98 @@ def _check_critic(config: SlimConfig) -> None:
         )
     if critic.load is not None and not Path(critic.load).exists():
         raise ConfigError(f"critic.load={critic.load}: file not found")
+
+
+def _check_training(config: SlimConfig) -> None:
+    opt = config.train.optimizer
+    if opt.min_lr > opt.lr:
+        raise ConfigError(f"train.optimizer.min_lr={opt.min_lr}: must not exceed train.optimizer.lr={opt.lr}")
+    if opt.cpu_offload and not config.parallel.use_distributed_optimizer:
+        raise ConfigError(
+            "train.optimizer.cpu_offload=true: needs parallel.use_distributed_optimizer=true (Megatron's "
+            "CPU offload runs on the precision-aware distributed optimizer)"
+        )
+    if config.model.ref_load is not None and not _needs_reference(config):
+        raise ConfigError(
+            f"model.ref_load={config.model.ref_load}: the reference model is used only by a KL term "
+            "(algorithm.kl_loss_coef or algorithm.kl_coef > 0, RL); set one or remove model.ref_load"
+        )
+
+
+def _needs_reference(config: SlimConfig) -> bool:
+    algo = config.algorithm
+    return algo.loss == "policy" and (algo.kl_loss_coef > 0 or algo.kl_coef > 0)
+
+
+def _check_rewards(config: SlimConfig) -> None:
+    rollout = config.rollout
+    remote = rollout.custom_rm_path is None and rollout.reward_type == "remote"
+    url = rollout.remote_rm_url
+    if url is not None and not remote:
+        how = f"rollout.custom_rm_path={rollout.custom_rm_path}" if rollout.custom_rm_path else None
+        raise ConfigError(
+            f"rollout.remote_rm_url={url}: read only with rollout.reward_type=remote (rewards come from "
+            f"{how or 'reward_type ' + rollout.reward_type}); remove it or set reward_type=remote"
+        )
+    if remote:
+        if not url:
+            raise ConfigError(
+                "rollout.reward_type=remote: set rollout.remote_rm_url to the reward model's endpoint "
+                "(http://host:port/path)"
+            )
+        parts = urlsplit(url)
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            raise ConfigError(
+                f"rollout.remote_rm_url={url}: not an http(s) URL; expected http://host:port/path"
+            )
+    if rollout.group_rm and rollout.custom_rm_path is None:
+        raise ConfigError(
+            "rollout.group_rm=true: applies to the reward hook rollout.custom_rm_path, which is not set"
+        )
+
+
+_HOOK_KEYS = (
+    "custom_generate_function_path",
+    "rollout_function_path",
+    "custom_rm_path",
+    "dynamic_sampling_filter_path",
+    "buffer_filter_path",
+)
+
+
+def _check_hooks(config: SlimConfig) -> None:
+    """Import every configured hook and check its signature now (`slimrl rollout` did this first;
+    `slimrl train` only found a bad one once its rollout manager ran, tens of seconds in)."""
+    if not any(getattr(config.rollout, key) for key in _HOOK_KEYS):
+        return
+    from slimrl.rollout.rollout import check_hooks
+
+    check_hooks(config)
+
+
+def _check_data(config: SlimConfig) -> None:
+    """The first records of every data file: readable, of the right shape, with the keys the run
+    reads (a bad record further in still fails when the data is loaded, naming its line)."""
+    from slimrl.data.prompts import check_prompt_file
+
+    data, rollout = config.data, config.rollout
+    sft = config.algorithm.loss == "sft"
+    builtin_reward = rollout.custom_rm_path is None and rollout.reward_type in ("toy", "math")
+    need_label = sft or builtin_reward
+    why = "SFT trains on it" if sft else f"the built-in `{rollout.reward_type}` reward scores against it"
+    files = [("data.prompt_data", data.prompt_data)]
+    files += [(f"eval.datasets.{name}", path) for name, path in config.eval.datasets.items()]
+    for key, path in files:
+        if path is not None:
+            check_prompt_file(
+                path,
+                key,
+                data.input_key,
+                data.label_key if need_label else None,
+                why,
+                data.apply_chat_template,
+            )

@@ -6,6 +6,7 @@ base; chains are allowed. Overrides use OmegaConf dotlist syntax (`parallel.tp=2
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from dataclasses import fields, is_dataclass
@@ -129,9 +130,22 @@ def to_yaml(config: SlimConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
+SECRET_KEYS = (("rollout", "api_key"), ("rollout", "admin_api_key"))
+"""Never written to a file: a saved config has them null, with a comment saying so."""
+
+
 def save_config(config: SlimConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the resolved config atomically (temp file, then rename)."""
-    return atomic_write_text(Path(path), to_yaml(config))
+    """Write the config atomically (temp file, then rename), without its secrets (`SECRET_KEYS`)."""
+    clean = copy.deepcopy(config)
+    removed = []
+    for section, key in SECRET_KEYS:
+        if getattr(getattr(clean, section), key) is not None:
+            setattr(getattr(clean, section), key, None)
+            removed.append(f"{section}.{key}")
+    header = (
+        f"# {', '.join(removed)}: not written (secret); pass again to run from this file\n" if removed else ""
+    )
+    return atomic_write_text(Path(path), header + to_yaml(clean))
 
 
 def as_dict(config: SlimConfig) -> dict[str, Any]:

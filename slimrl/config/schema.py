@@ -1,8 +1,10 @@
 """The typed configuration schema: one dataclass per section, each default in exactly one place.
 
 YAML files under `configs/` and `key=value` overrides are merged onto these classes by
-`slimrl.config.loader`; unknown keys and wrong types are rejected there. Checks that span sections
-(parallel layout against the model, devices against the world size) live in `slimrl.config.checks`.
+`slimrl.config.loader`; unknown keys and wrong types are rejected there. Every other check (the
+range of each numeric field, choices, checks that span sections, hooks, data files) lives in
+`slimrl.config.checks` and runs at load; `slimrl.config.finalize` derives the values the run uses.
+Every field has a docstring and a reader (tests/test_config.py fails on one without either).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class ModelConfig:
     load: str | None = None
     """Megatron distributed checkpoint to start from instead of the HF weights."""
     ref_load: str | None = None
-    """Checkpoint of the reference model for KL (null: the initial policy)."""
+    """Megatron checkpoint of the KL reference model (null: the initial policy); needs a KL term
+    (`algorithm.kl_loss_coef` or `kl_coef` > 0)."""
     init_from_hf: bool = True
     """Load the HF weights at start; false keeps Megatron's random initialisation
     (useful for tiny tests)."""
@@ -102,12 +105,17 @@ class ParallelConfig:
 @_section
 class SamplingConfig:
     temperature: float = 1.0
+    """Softmax temperature (>= 0; 0 is greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens holding this much probability, in (0, 1]."""
     top_k: int = -1
-    """-1 samples from the whole vocabulary."""
+    """Sample from the k most likely tokens; -1 samples from the whole vocabulary."""
     max_new_tokens: int = 64
+    """Longest response in tokens."""
     stop: list[str] = field(default_factory=list)
+    """Strings that end a response (non-empty)."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response, besides EOS (within the model's vocabulary)."""
 
 
 @_section
@@ -193,7 +201,9 @@ class RolloutConfig:
     `--admin-api-key`). Null: every `slimrl train` / `slimrl rollout` draws a fresh one, so no
     engine a run starts has them open on the network."""
     save_samples: bool = True
-    """Write each rollout's samples to `rollout_samples.jsonl` in the run directory."""
+    """Append each rollout's samples to `rollout_samples.jsonl` in the run directory, one JSON object
+    per sample (`slimrl train`: training rollouts; `slimrl rollout`: evals too). A resumed run
+    drops the rollouts after its checkpoint, which it redoes."""
 
 
 @_section
@@ -211,7 +221,8 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded)."""
     max_prompt_tokens: int | None = None
-    """Drop prompts longer than this (null: keep all)."""
+    """Drop prompts longer than this many tokens (as rendered, chat template included) when a data
+    set is loaded, training and eval alike; the count dropped is logged (null: keep all)."""
 
 
 @_section
@@ -257,14 +268,18 @@ class AlgorithmConfig:
     tis: bool = False
     """Truncated importance sampling on the train/rollout mismatch."""
     tis_clip_low: float = 0.0
+    """Truncated IS: weights below this are raised to it."""
     tis_clip_high: float = 2.0
+    """Truncated IS: weights above this are cut to it (>= tis_clip_low)."""
     tis_level: str = "token"
     """`token` (each token's ratio) or `sequence` (every token weighted by the product of its
     sequence's token ratios) for truncated IS."""
     mis: bool = False
     """Masked importance sampling (rejection): drop tokens whose ratio leaves [mis_low, mis_high]."""
     mis_low: float = 0.5
+    """Masked IS: tokens (or sequences) with a ratio below this are dropped."""
     mis_high: float = 2.0
+    """Masked IS: tokens (or sequences) with a ratio above this are dropped (> mis_low)."""
     mis_level: str = "token"
     """`token`, `sequence` (the product of the sequence's token ratios decides for the whole sequence)
     or `geometric` (Geo-RS: their geometric mean decides) for masked IS."""
@@ -288,12 +303,19 @@ class AlgorithmConfig:
 @_section
 class OptimizerConfig:
     name: str = "adam"
+    """`adam` (AdamW) or `sgd`."""
     lr: float = 1e-5
+    """Peak learning rate (> 0)."""
     min_lr: float = 0.0
+    """Floor of a decaying schedule (0 <= min_lr <= lr)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay, in [0, 1)."""
     adam_beta2: float = 0.98
+    """Adam's second-moment decay, in [0, 1)."""
     adam_eps: float = 1e-8
+    """Adam's denominator epsilon (> 0)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
     cpu_offload: bool = False
@@ -303,6 +325,7 @@ class OptimizerConfig:
 @_section
 class LRScheduleConfig:
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to `lr`."""
     decay_style: str = "constant"
     """`constant`, `linear` or `cosine`."""
     decay_steps: int | None = None
@@ -314,17 +337,22 @@ class TrainConfig:
     num_steps: int = 100
     """Rollout steps for RL, optimizer steps for SFT."""
     global_batch_size: int | None = None
-    """Samples per optimizer step (null: the whole rollout batch / SFT: 32)."""
+    """Samples per optimizer step. SFT: null means 32; it must split evenly over the data-parallel
+    ranks. RL: derived, rollout_batch_size * n_samples_per_prompt / steps_per_rollout; set it only to
+    that value (a check), or leave it null."""
     micro_batch_size: int = 1
     """Samples per micro-batch when `max_tokens_per_gpu` is null."""
     max_tokens_per_gpu: int | None = None
-    """Token budget per micro-batch per rank (dynamic batching); null uses micro_batch_size."""
+    """Token budget per micro-batch per rank (dynamic batching, >= 1); null uses micro_batch_size.
+    A single sequence longer than the budget stops the run, naming the length it needs."""
     steps_per_rollout: int = 1
     """Optimizer steps per rollout batch."""
     max_seq_len: int = 2048
     """Longest prompt+response the trainer accepts."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The policy's optimizer."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """The learning-rate schedule, in optimizer steps."""
     offload: bool | None = None
     """Move params/grads/optimizer state to CPU during rollout (null: on when colocated on GPU)."""
     frozen_params: list[str] = field(default_factory=list)
@@ -371,7 +399,8 @@ class CheckpointConfig:
     """With resume=false, replace an earlier run's checkpoints in the directory (removed once this
     run's first checkpoint is complete); without it such a start is refused."""
     save_hf: bool = False
-    """Also write an HF checkpoint with each save."""
+    """Also write the policy as a Hugging Face checkpoint into each checkpoint's `hf/` directory
+    (safetensors + index, config.json, tokenizer): loadable by transformers or SGLang as is."""
 
 
 @_section
@@ -379,8 +408,10 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files to the run directory."""
     log_interval: int = 1
-    """Print a progress line every N steps."""
+    """Print a progress line every N steps (rollouts under `slimrl rollout`), and after the last;
+    metrics.jsonl and TensorBoard still get every step."""
     level: str = "INFO"
+    """Log level: `DEBUG`, `INFO`, `WARNING` or `ERROR`."""
 
 
 @_section
@@ -390,7 +421,9 @@ class EvalConfig:
     datasets: dict[str, str] = field(default_factory=dict)
     """Name -> JSONL/Parquet prompt file."""
     n_samples_per_prompt: int = 1
+    """Responses per eval prompt."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """Sampling parameters for evals (greedy by default)."""
 
 
 @_section
@@ -398,15 +431,28 @@ class SlimConfig:
     """The whole run: what `slimrl train CONFIG.yaml key=value ...` resolves to."""
 
     run: RunConfig = field(default_factory=RunConfig)
+    """Name, output directory and seed."""
     ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray cluster the run uses."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Nodes, devices and how training and rollout share them."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy: HF checkpoint, starting weights, reference, dtype."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel layout of the trainer."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The prompt data set and how to read it."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Inference fleet, sampling, rewards and hooks."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Loss, advantage estimator and their corrections."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batching, optimizer and schedule."""
     critic: CriticConfig = field(default_factory=CriticConfig)
+    """The PPO value model."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and when checkpoints are written, and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Progress lines, log level, TensorBoard."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during RL."""

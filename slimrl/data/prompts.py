@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimrl.errors import SlimError
+from slimrl.errors import ConfigError, SlimError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,24 +23,92 @@ class PromptRecord:
     metadata: dict[str, Any]
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
+def iter_rows(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL (one JSON object per line) or Parquet file, read lazily."""
     path = Path(path)
     if not path.is_file():
         raise SlimError(f"{path}: prompt data file not found")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with path.open() as handle:
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as exc:  # pyarrow's own errors: not a Parquet file, truncated, ...
+            raise SlimError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+        for batch in parquet.iter_batches(batch_size=256):
+            yield from batch.to_pylist()
+        return
+    with path.open(errors="replace") as handle:
         for line_no, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise SlimError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-    return rows
+                raise SlimError(
+                    f"{path}:{line_no}: not valid JSON ({exc.msg}); expected JSONL, one JSON object per line"
+                ) from None
+            if not isinstance(row, dict):
+                raise SlimError(
+                    f"{path}:{line_no}: a JSON {type(row).__name__}, not an object; expected JSONL, one "
+                    "JSON object per line"
+                )
+            yield row
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    return list(iter_rows(path))
+
+
+FIRST_RECORDS = 8
+"""Records `check_prompt_file` reads: enough to catch a wrong file or key, cheap at any size."""
+
+
+def check_prompt_file(
+    path: str | Path,
+    key: str,
+    input_key: str,
+    label_key: str | None,
+    label_why: str,
+    chat_template: bool,
+) -> None:
+    """Before anything starts: the file is a non-empty JSONL/Parquet data set whose first records
+    hold `input_key` (a string, or chat messages with `chat_template`) and, when given, `label_key`.
+    Raises `ConfigError` naming the config `key`."""
+    try:
+        rows = list(itertools.islice(iter_rows(path), FIRST_RECORDS))
+    except SlimError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if not rows:
+        raise ConfigError(f"{key}={path}: holds no records (empty file)")
+    for number, row in enumerate(rows, 1):
+        where = f"{key}={path}: record {number}"
+        if input_key not in row:
+            keys = ", ".join(sorted(map(str, row))) or "none"
+            raise ConfigError(
+                f"data.input_key={input_key}: {key}={path}: record {number} has no `{input_key}` "
+                f"(its keys: {keys})"
+            )
+        prompt = row[input_key]
+        if isinstance(prompt, list) and not chat_template:
+            raise ConfigError(
+                f"{where}: `{input_key}` holds chat messages; they need data.apply_chat_template=true"
+            )
+        if isinstance(prompt, list):
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+                raise ConfigError(
+                    f"{where}: `{input_key}` is a list but not of chat messages ({{role, content}} objects)"
+                )
+        elif not isinstance(prompt, str):
+            raise ConfigError(
+                f"{where}: `{input_key}` is a {type(prompt).__name__}; expected a string or chat messages"
+            )
+        if label_key is not None and row.get(label_key) is None:
+            keys = ", ".join(sorted(map(str, row)))
+            raise ConfigError(
+                f"data.label_key={label_key}: {key}={path}: record {number} has no `{label_key}` "
+                f"({label_why}; its keys: {keys})"
+            )
 
 
 def load_prompts(
@@ -55,6 +127,29 @@ def load_prompts(
     if not records:
         raise SlimError(f"{path}: no rows")
     return records
+
+
+def drop_long_prompts(
+    records: list[PromptRecord], tokenizer: Any, max_tokens: int | None, chat_template: bool, source: str = ""
+) -> list[PromptRecord]:
+    """The records whose rendered prompt has at most `max_tokens` tokens (`data.max_prompt_tokens`;
+    None keeps all); logs how many were dropped, and refuses a data set left empty."""
+    if max_tokens is None:
+        return records
+    from slimrl.data.sft import render_prompt
+
+    kept = [r for r in records if len(render_prompt(tokenizer, r.prompt, chat_template)) <= max_tokens]
+    dropped = len(records) - len(kept)
+    where = f" of {source}" if source else ""
+    if not kept:
+        raise ConfigError(
+            f"data.max_prompt_tokens={max_tokens}: every one of the {len(records)} prompts{where} is longer"
+        )
+    if dropped:
+        logger.info(
+            "data.max_prompt_tokens=%d: dropped %d of %d prompts%s", max_tokens, dropped, len(records), where
+        )
+    return kept
 
 
 class EpochSampler:

@@ -45,6 +45,12 @@ class MetricsWriter:
             self._tb.close()
 
 
+def log_due(step: int, total: int, interval: int) -> bool:
+    """Whether step `step` (1-based) of `total` prints its progress line: every `logging.log_interval`
+    steps, and always the last."""
+    return step % interval == 0 or step == total
+
+
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()

@@ -20,8 +20,9 @@ import torch
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
-from slimrl.orchestration.metrics import MetricsWriter
+from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
+from slimrl.orchestration.sample_log import start_samples, write_samples
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.sample import Sample, Status
@@ -206,6 +207,7 @@ class RLRun:
         steps = config.train.num_steps
         start_step = self.resume()
         writer = MetricsWriter(self.run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
+        samples = start_samples(self.run_dir, start_step) if config.rollout.save_samples else None
         ahead = config.algorithm.async_staleness
         pending: deque = deque()
         try:
@@ -216,6 +218,8 @@ class RLRun:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
                 groups, rollout = ray.get(pending.popleft())
                 rollout_seconds = time.perf_counter() - step_start
+                if samples is not None:
+                    write_samples(samples, step, groups, "train")
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
                 self.handoff.to_trainer()
@@ -232,7 +236,8 @@ class RLRun:
                     metrics.update(ray.get(self.fleet.manager.evaluate.remote(step + 1)))
                 metrics["perf/step_seconds"] = time.perf_counter() - step_start
                 writer.write(step + 1, metrics)
-                self._progress(step + 1, steps, metrics)
+                if log_due(step + 1, steps, config.logging.log_interval):
+                    self._progress(step + 1, steps, metrics)
         finally:
             writer.close()
 

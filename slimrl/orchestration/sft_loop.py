@@ -6,20 +6,16 @@ import logging
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
+from slimrl.config.finalize import sft_batch_size
 from slimrl.config.schema import SlimConfig
-from slimrl.data.prompts import EpochSampler, load_prompts
+from slimrl.data.prompts import EpochSampler, drop_long_prompts, load_prompts
 from slimrl.data.sft import sft_sample
-from slimrl.errors import ConfigError
-from slimrl.orchestration.metrics import MetricsWriter
+from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.trainer.checkpoint import checkpoint_root
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SFT_BATCH = 32
 
 
 def should_save(config: SlimConfig, step: int) -> bool:
@@ -44,12 +40,15 @@ def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: Epoc
 def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
     from transformers import AutoTokenizer
 
-    if config.data.prompt_data is None:
-        raise ConfigError("data.prompt_data: SFT needs a data set of prompts with labels")
+    assert config.data.prompt_data is not None  # check_run_inputs: before anything started
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
     records = load_prompts(config.data.prompt_data, config.data.input_key, config.data.label_key)
+    data = config.data
+    records = drop_long_prompts(
+        records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, data.prompt_data
+    )
     sampler = EpochSampler(len(records), config.run.seed, config.data.shuffle)
-    batch_size = config.train.global_batch_size or DEFAULT_SFT_BATCH
+    batch_size = sft_batch_size(config)  # divisible by the data-parallel size: checked at load
     steps = config.train.num_steps
 
     summaries = trainers.setup(total_steps=steps)
@@ -60,20 +59,12 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
         trainers.dp_size,
         total_params,
     )
-    if batch_size % trainers.dp_size:
-        raise ConfigError(
-            f"train.global_batch_size={batch_size}: must be a multiple of the data-parallel size "
-            f"{trainers.dp_size}"
-        )
 
     ckpt_root = checkpoint_root(config, run_dir)
     start_step = resume(config, ckpt_root, trainers, sampler)
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
-    progress = tqdm(
-        range(start_step, steps), desc="sft", unit="step", dynamic_ncols=True, initial=start_step, total=steps
-    )
     try:
-        for step in progress:
+        for step in range(start_step, steps):
             start = time.perf_counter()
             indices = sampler.take(batch_size)
             samples = [sft_sample(tokenizer, records[i], config.data.apply_chat_template, i) for i in indices]
@@ -86,7 +77,11 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
                 "seconds": time.perf_counter() - start,
             }
             writer.write(step + 1, metrics)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", grad_norm=f"{metrics['grad_norm']:.3f}")
+            if log_due(step + 1, steps, config.logging.log_interval):
+                logger.info(
+                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.2e | %.2fs",
+                    step + 1, steps, metrics["loss"], metrics["grad_norm"], metrics["lr"], metrics["seconds"],
+                )  # fmt: skip
             if should_save(config, step + 1):
                 state = {"step": step + 1, "sampler": sampler.state_dict()}
                 trainers.save_checkpoint(ckpt_root, step + 1, state, config.checkpoint.keep_last)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
-from slimrl.data.prompts import EpochSampler, PromptRecord, load_prompts
+from slimrl.data.prompts import EpochSampler, PromptRecord, drop_long_prompts, load_prompts
 from slimrl.errors import ConfigError
 from slimrl.sample import Sample
 
@@ -38,6 +38,13 @@ class DataSource:
         self.records: list[PromptRecord] = load_prompts(
             path, data.input_key, data.label_key, data.metadata_key
         )
+        if data.max_prompt_tokens is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+            self.records = drop_long_prompts(
+                self.records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, path
+            )
         self.sampler = EpochSampler(
             len(self.records), config.run.seed, data.shuffle if shuffle is None else shuffle
         )

@@ -74,7 +74,7 @@ class MegatronActor:
         self.weights = WeightStore(self.state.model)
         algo = self.config.algorithm
         if algo.loss == "policy" and (algo.kl_loss_coef > 0 or algo.kl_coef > 0):
-            self.weights.save("ref")  # the initial policy, kept in host memory
+            self._save_reference(chunks)
         self.offloader = Offloader(self.state.model, self.state.optimizer)
         num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         summary = {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
@@ -82,6 +82,22 @@ class MegatronActor:
             self.critic = Critic.build(self.config, self.arch, self.layout, options, chunks, total_steps)
             summary["critic_local_params"] = self.critic.num_params
         return summary
+
+    def _save_reference(self, chunks: list[Any]) -> None:
+        """The KL reference, kept in host memory: the initial policy, or the weights of
+        `model.ref_load` (a Megatron checkpoint, any layout) loaded in and swapped back out."""
+        assert self.weights is not None
+        ref_load = self.config.model.ref_load
+        if ref_load is None:
+            self.weights.save("ref")
+            return
+        from slimrl.megatron_bridge.dist_ckpt import load_model
+
+        self.weights.save("policy")
+        load_model(chunks, Path(ref_load))
+        self.weights.save("ref")
+        self.weights.load("policy")
+        del self.weights.slots["policy"]
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -283,6 +299,10 @@ class MegatronActor:
         from slimrl.trainer.checkpoint import save_train_state
 
         save_train_state(self, Path(directory))
+        if self.config.checkpoint.save_hf:
+            from slimrl.trainer.hf_export import HF_DIR, save_hf
+
+            save_hf(self, Path(directory) / HF_DIR)
 
     def load_checkpoint(self, directory: str) -> int:
         from slimrl.trainer.checkpoint import load_train_state

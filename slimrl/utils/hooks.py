@@ -11,6 +11,8 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -61,7 +63,16 @@ def _split(path: str, where: str) -> tuple[str, str]:
     return module_name, attr_path
 
 
+def import_from_working_directory() -> None:
+    """Hooks named by dotted path (`examples.custom_reward.reward`) resolve from the working
+    directory, as under `python -m`; the `slimrl` console script alone would not look there."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def _import(module_name: str, where: str) -> ModuleType:
+    import_from_working_directory()
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:

@@ -4,6 +4,7 @@ Usage: torchrun --nproc-per-node N tests/dist/rl_worker.py OUT_DIR SCENARIO key=
 Scenarios: `steps` (rollout logprobs taken from the trainer itself, two RL updates),
 `offload` (digests around an offload/onload cycle, then one update).
 Each rank writes OUT_DIR/rank<k>.json; rank 0 also saves the final weights to OUT_DIR/weights.pt.
+With `checkpoint.save_hf=true` the ranks then save a checkpoint to OUT_DIR/ckpt.
 """
 
 import json
@@ -63,6 +64,9 @@ def main() -> None:
         *[actor.train_rl(batch) for _ in range(2 if scenario == "steps" else 1)],
     ]
     result["after_logprobs"] = {str(k): v for k, v in actor.response_logprobs(batch).items()}
+    if config.checkpoint.save_hf:  # the checkpoint's hf/ directory, written by every rank together
+        (out_dir / "ckpt").mkdir(exist_ok=True)
+        actor.save_checkpoint(str(out_dir / "ckpt"))
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
     if info.rank == 0:
         weights = {n: p.detach().clone() for n, p in actor.state.model[0].module.named_parameters()}

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import shutil
+import types
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from slimrl.config import load_config, save_config
-from slimrl.config.checks import train_world_size
+from slimrl.config.checks import RANGES, check_run_inputs, train_world_size
+from slimrl.config.finalize import finalize
+from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.trainer.parallel import ParallelLayout
 from tests.conftest import REPO, run_slimrl
@@ -174,7 +181,7 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
         ),
         (
             ["algorithm.loss_reduction=seq_mean_token_sum_norm", "algorithm.loss_norm_tokens=0"],
-            "algorithm.loss_norm_tokens=0: must be a positive number of tokens",
+            "algorithm.loss_norm_tokens=0: must be a positive number of tokens, or null",
         ),
         (
             ["algorithm.tis_clip_low=2.0", "algorithm.tis_clip_high=1.0"],
@@ -237,3 +244,311 @@ def test_undefined_algorithm_combinations_are_refused_in_one_line(moe, overrides
 )
 def test_defined_algorithm_combinations_load(moe, overrides):
     load_config(None, _base(moe, *overrides))
+
+
+# --- every field: a docstring, a reader and, if numeric, a range ---------------------------------
+
+SCHEMA = REPO / "slimrl" / "config" / "schema.py"
+NOT_READERS = ("schema.py", "loader.py", "checks.py")
+"""Declaring, loading or checking a field is not using it: a field read only there does nothing."""
+
+
+def _schema_fields() -> list[tuple[str, str, bool]]:
+    """(class, field, has a docstring) for every field of every dataclass in schema.py."""
+    out = []
+    for cls in (n for n in ast.parse(SCHEMA.read_text()).body if isinstance(n, ast.ClassDef)):
+        for i, node in enumerate(cls.body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                after = cls.body[i + 1] if i + 1 < len(cls.body) else None
+                doc = isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant)
+                out.append((cls.name, node.target.id, doc and isinstance(after.value.value, str)))  # type: ignore[union-attr]
+    return out
+
+
+def test_every_schema_field_has_a_docstring():
+    fields = _schema_fields()
+    assert len(fields) > 100
+    assert [f"{cls}.{name}" for cls, name, doc in fields if not doc] == []
+
+
+def test_every_schema_field_is_read_outside_the_config_checks():
+    """A field nobody reads is a setting silently ignored: each must be read (as `x.<field>`) by code
+    other than the schema, the loader and the checks."""
+    read: set[str] = set()
+    for path in (REPO / "slimrl").rglob("*.py"):
+        if path.parent.name == "config" and path.name in NOT_READERS:
+            continue
+        read |= {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+    assert [f"{cls}.{name}" for cls, name, _ in _schema_fields() if name not in read] == []
+
+
+def _union_members(hint: object) -> tuple[object, ...]:
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _numeric_keys(cls: type = SlimConfig, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for field in dataclasses.fields(cls):
+        kinds = [k for k in _union_members(hints[field.name]) if k is not type(None)]
+        if len(kinds) == 1 and dataclasses.is_dataclass(kinds[0]):
+            keys += _numeric_keys(kinds[0], f"{prefix}{field.name}.")  # type: ignore[arg-type]
+        elif kinds and all(k in (int, float) for k in kinds):
+            keys.append(prefix + field.name)
+    return keys
+
+
+def test_every_numeric_field_has_a_range():
+    keys = _numeric_keys()
+    assert len(keys) > 60
+    assert sorted(set(keys) - set(RANGES)) == []  # a numeric field without a range
+    assert sorted(set(RANGES) - set(keys)) == []  # a range for no field
+
+
+def _bad_values(key: str) -> list[str]:
+    """Values just outside the field's range, and non-finite ones for floats."""
+    valid = RANGES[key]
+    integer = int in _union_members(_field_type(key))
+    step = 1 if integer else 0.5
+    out: list[float] = []
+    if valid.low is not None:
+        out.append(valid.low if valid.low_open else valid.low - step)
+    if valid.high is not None:
+        out.append(valid.high if valid.high_open else valid.high + step)
+    shown = [str(int(v)) if integer else str(v) for v in out if not (valid.also and v == valid.also[0])]
+    return shown if integer else [*shown, "nan", "inf", "-inf"]
+
+
+def _field_type(key: str) -> object:
+    cls: type = SlimConfig
+    *sections, leaf = key.split(".")
+    for section in sections:
+        cls = typing.get_type_hints(cls)[section]
+    return typing.get_type_hints(cls)[leaf]
+
+
+def test_every_bad_numeric_value_is_one_line_naming_the_key(moe):
+    """In-process over every numeric field (the CLI maps the same ConfigError to exit 2, before it
+    creates anything: tests/test_hostile_inputs.py runs a few through `slimrl train`)."""
+    cases = [(key, value) for key in RANGES for value in _bad_values(key)]
+    assert len(cases) > 150
+    wrong = []
+    for key, value in cases:
+        try:
+            load_config(None, _base(moe, f"{key}={value}"))
+            wrong.append(f"{key}={value}: accepted")
+        except ConfigError as exc:
+            message = str(exc)
+            if not message.startswith(f"{key}=") or "\n" in message:
+                wrong.append(f"{key}={value}: {message}")
+    assert wrong == []
+
+
+# --- cross-field and file checks at load ----------------------------------------------------------
+
+
+def _data(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (
+            ["rollout.sampling.temperature=nan"],
+            "rollout.sampling.temperature=nan: must be a finite number, >= 0",
+        ),
+        (["eval.sampling.top_p=2"], "eval.sampling.top_p=2.0: must be in (0, 1]"),
+        (["rollout.sampling.top_k=0"], "rollout.sampling.top_k=0: must be -1 (the whole vocabulary) or >= 1"),
+        (["rollout.sampling.stop_token_ids=[5,104]"], "stop_token_ids: holds 104, outside the model's vocab"),
+        (["eval.sampling.stop=['']"], "eval.sampling.stop: holds an empty string"),
+        (["train.optimizer.lr=-1e-5"], "train.optimizer.lr=-1e-05: must be > 0"),
+        (["train.optimizer.min_lr=1e-3"], "train.optimizer.min_lr=0.001: must not exceed train.optimizer.lr"),
+        (
+            ["train.optimizer.cpu_offload=true", "parallel.use_distributed_optimizer=false"],
+            "train.optimizer.cpu_offload=true: needs parallel.use_distributed_optimizer=true",
+        ),
+        (["train.global_batch_size=0"], "train.global_batch_size=0: must be >= 1"),
+        (["train.max_tokens_per_gpu=-5"], "train.max_tokens_per_gpu=-5: must be >= 1 tokens"),
+        (
+            ["algorithm.loss=sft", "train.global_batch_size=6"],
+            "train.global_batch_size=6: SFT steps of 6 samples must split evenly over 4 data-parallel",
+        ),
+        (["algorithm.loss=sft", "cluster.gpus_per_node=3"], "over 3 data-parallel ranks (null means 32)"),
+        (
+            ["train.global_batch_size=16"],
+            "train.global_batch_size=16: in RL each optimizer step takes rollout_batch_size * "
+            "n_samples_per_prompt / steps_per_rollout = 32 samples",
+        ),
+        (
+            ["train.steps_per_rollout=3"],
+            "32 samples must split evenly over 4 data-parallel ranks x 3 optimizer steps",
+        ),
+        (["model.ref_load=."], "model.ref_load=/"),  # no KL term: the reference would be unused
+        (["rollout.reward_type=remote"], "rollout.reward_type=remote: set rollout.remote_rm_url"),
+        (
+            ["rollout.reward_type=remote", "rollout.remote_rm_url=localhost:8000/score"],
+            "rollout.remote_rm_url=localhost:8000/score: not an http(s) URL",
+        ),
+        (
+            ["rollout.reward_type=remote", "rollout.remote_rm_url=http://rm:99999/score"],
+            "rollout.remote_rm_url=http://rm:99999/score: not an http(s) URL",
+        ),
+        (
+            ["rollout.remote_rm_url=http://rm:8000/score"],
+            "rollout.remote_rm_url=http://rm:8000/score: read only with rollout.reward_type=remote",
+        ),
+        (
+            ["rollout.group_rm=true"],
+            "rollout.group_rm=true: applies to the reward hook rollout.custom_rm_path",
+        ),
+        (
+            ["rollout.custom_rm_path=no_such_module.reward"],
+            "rollout.custom_rm_path=no_such_module.reward: cannot import module `no_such_module`",
+        ),
+        (
+            ["rollout.custom_generate_function_path=examples.custom_reward.reward"],
+            "rollout.custom_generate_function_path=examples.custom_reward.reward: signature",
+        ),
+    ],
+    ids=lambda v: v[-1] if isinstance(v, list) else None,
+)
+def test_cross_field_values_are_refused_at_load(moe, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, _base(moe, *overrides))
+    message = str(info.value)
+    assert fragment in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "extra", "fragment"),
+    [
+        ("empty.jsonl", "", [], "data.prompt_data={path}: holds no records (empty file)"),
+        ("blank.jsonl", "\n\n", [], "holds no records"),
+        ("bad.jsonl", '{"prompt": "1+1="}\nnot json\n', [], "{path}:2: not valid JSON"),
+        ("array.json", '[{"prompt": "1+1="}]\n', [], "{path}:1: a JSON list, not an object; expected JSONL"),
+        (
+            "keys.jsonl",
+            '{"question": "1+1=", "label": "2"}\n',
+            [],
+            "data.input_key=prompt: data.prompt_data={path}: record 1 has no `prompt` "
+            "(its keys: label, question)",
+        ),
+        (
+            "nolabel.jsonl",
+            '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2="}\n',
+            [],
+            "data.label_key=label: data.prompt_data={path}: record 2 has no `label` "
+            "(the built-in `toy` reward",
+        ),
+        ("sftnolabel.jsonl", '{"prompt": "1+1="}\n', ["algorithm.loss=sft"], "(SFT trains on it"),
+        (
+            "chat.jsonl",
+            '{"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}\n',
+            [],
+            "record 1: `prompt` holds chat messages; they need data.apply_chat_template=true",
+        ),
+        (
+            "number.jsonl",
+            '{"prompt": 12, "label": "2"}\n',
+            [],
+            "record 1: `prompt` is a int; expected a string",
+        ),
+        ("dir", None, [], "data.prompt_data={path}: file not found"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and v.count(".") == 1 else None,
+)
+def test_data_files_are_checked_at_load_from_their_first_records(moe, tmp_path, name, text, extra, fragment):
+    path = tmp_path / name
+    if text is None:
+        path = tmp_path / "no_such.jsonl"
+    else:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, _base(moe, f"data.prompt_data={path}", *extra))
+    message = str(info.value)
+    assert fragment.format(path=path) in message and "\n" not in message, message
+
+
+def test_data_checks_pass_for_what_the_run_accepts(moe, tmp_path, mod_sum_data):
+    chat = _data(tmp_path, "chat.jsonl", '{"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}\n')
+    load_config(None, _base(moe, f"data.prompt_data={chat}", "data.apply_chat_template=true"))
+    unlabelled = _data(tmp_path, "u.jsonl", '{"prompt": "1+1="}\n')  # rewards come from elsewhere
+    load_config(None, _base(moe, f"data.prompt_data={unlabelled}", "rollout.reward_type=none"))
+    load_config(None, _base(moe, f"data.prompt_data={mod_sum_data}", f"eval.datasets.heldout={mod_sum_data}"))
+    bad_eval = _data(tmp_path, "e.jsonl", "")
+    with pytest.raises(ConfigError, match=r"^eval.datasets.heldout=.*holds no records"):
+        load_config(None, _base(moe, f"eval.datasets.heldout={bad_eval}"))
+
+
+def test_parquet_data_is_checked_from_its_first_rows(moe, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["1+1="], "label": ["2"]}), path)
+    with pytest.raises(ConfigError, match="record 1 has no `prompt`"):
+        load_config(None, _base(moe, f"data.prompt_data={path}"))
+    load_config(None, _base(moe, f"data.prompt_data={path}", "data.input_key=question"))
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    with pytest.raises(ConfigError, match="not a readable Parquet file"):
+        load_config(None, _base(moe, f"data.prompt_data={tmp_path / 'fake.parquet'}"))
+
+
+def test_what_only_a_run_needs_is_checked_before_it_creates_anything(moe, tmp_path):
+    """`check_run_inputs`: `--dry-run` and `slimrl plan` need neither data nor weights."""
+    with pytest.raises(ConfigError, match=r"^data.prompt_data=null: rollouts draw from a prompt data set"):
+        check_run_inputs(load_config(None, _base(moe)))
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    shutil.copy(moe / "config.json", shapes / "config.json")
+    data = _data(tmp_path, "d.jsonl", '{"prompt": "1+1=", "label": "2"}\n')
+    config = load_config(None, _base(shapes, f"data.prompt_data={data}"))  # loads: shapes are enough
+    with pytest.raises(ConfigError, match=r"model.hf_checkpoint=.*shapes: no \*.safetensors weights"):
+        check_run_inputs(config)
+    sft = load_config(
+        None, _base(shapes, f"data.prompt_data={data}", "algorithm.loss=sft", "model.init_from_hf=false")
+    )
+    check_run_inputs(sft)  # SFT from random weights needs no weights file
+
+
+# --- finalize and resolved.yaml -------------------------------------------------------------------
+
+
+def test_finalize_derives_every_value_once_and_resolved_yaml_loads_back(moe, mod_sum_data, tmp_path):
+    config = load_config(
+        REPO / "configs" / "tiny_moe_grpo_cpu.yaml",
+        [f"model.hf_checkpoint={moe}", f"data.prompt_data={mod_sum_data}", f"run.runs_dir={tmp_path}",
+         "train.steps_per_rollout=2", "algorithm.loss_reduction=seq_mean_token_sum_norm"],
+    )  # fmt: skip
+    resolved = finalize(config)
+    assert (resolved.cluster.device, resolved.model.dtype) == ("cpu", "fp32")
+    assert (resolved.parallel.dp, resolved.parallel.etp, resolved.parallel.sequence_parallel) == (2, 1, False)
+    assert resolved.rollout.weight_sync == "tensor" and resolved.rollout.over_sampling_batch_size == 64
+    assert resolved.train.global_batch_size == 64 * 8 // 2  # samples per optimizer step
+    assert resolved.train.lr_schedule.decay_steps == 200 * 2 and resolved.train.offload is False
+    assert resolved.algorithm.eps_clip_high == 0.2 and resolved.algorithm.loss_norm_tokens == 1
+    assert resolved.checkpoint.save_dir == str(tmp_path / "tiny_moe_grpo" / "checkpoints")
+    assert config.rollout.weight_sync == "auto" and config.train.global_batch_size is None  # a copy
+    assert finalize(resolved) == resolved
+    assert load_config(save_config(resolved, tmp_path / "resolved.yaml")) == resolved
+    sft = finalize(load_config(REPO / "configs" / "tiny_moe_cpu.yaml", [f"model.hf_checkpoint={moe}"]))
+    assert sft.train.global_batch_size == 32 and sft.train.offload is None
+
+
+def test_run_dir_gets_config_and_resolved_yaml_without_secrets(moe, tmp_path):
+    from slimrl.orchestration.entry import prepare_run_dir
+
+    config = load_config(
+        None, _base(moe, f"run.runs_dir={tmp_path}", "run.name=r", "rollout.api_key=sekrit-api-key")
+    )
+    run_dir, resolved = prepare_run_dir(config)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "resolved.yaml"]
+    for name in ("config.yaml", "resolved.yaml"):
+        text = (run_dir / name).read_text()
+        assert "sekrit" not in text and text.startswith("# rollout.api_key: not written (secret)")
+    assert resolved.rollout.api_key == "sekrit-api-key" and resolved.rollout.admin_api_key  # drawn, unsaved
+    assert resolved.rollout.admin_api_key not in (run_dir / "resolved.yaml").read_text()
+    assert load_config(run_dir / "resolved.yaml").parallel.dp == 4

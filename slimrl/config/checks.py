@@ -268,7 +268,8 @@ def _check_ranges(config: SlimConfig) -> None:
     for key, valid in RANGES.items():
         value = _get(config, key)
         if value is not None and not valid.admits(value):  # type: ignore[arg-type]
-            raise ConfigError(f"{key}={value}: {valid.why or 'must be ' + valid.describe()}")
+            finite = "" if not isinstance(value, float) or math.isfinite(value) else "a finite number, "
+            raise ConfigError(f"{key}={value}: {valid.why or f'must be {finite}{valid.describe()}'}")
     for section in ("rollout.sampling", "eval.sampling"):
         for token in _get(config, f"{section}.stop_token_ids"):  # type: ignore[union-attr]
             if token < 0:

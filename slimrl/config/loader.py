@@ -75,6 +75,22 @@ def _merge_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{source}: `{key}`: {message}")
 
 
+def _merge(schema: DictConfig, layers: list[tuple[str, DictConfig]]) -> DictConfig:
+    """All layers in one merge (each merge deep-copies the whole schema); on an error, again one
+    layer at a time to name the file or override at fault."""
+    try:
+        return OmegaConf.merge(schema, *(layer for _, layer in layers))  # type: ignore[return-value]
+    except OmegaConfBaseException:
+        pass
+    merged = schema
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)  # type: ignore[assignment]
+        except OmegaConfBaseException as exc:
+            raise _merge_error(exc, source) from None
+    return merged
+
+
 def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> SlimConfig:
     """Merge a YAML file and dotlist overrides onto the schema, then run the checks."""
     schema = OmegaConf.structured(SlimConfig)
@@ -85,12 +101,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         if "=" not in item:
             raise ConfigError(f"override `{item}` is not of the form key=value")
         layers.append((f"override `{item}`", OmegaConf.from_dotlist([item])))
-    merged: DictConfig = schema
-    for source, layer in layers:
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as exc:
-            raise _merge_error(exc, source) from None
+    merged = _merge(schema, layers)
     try:
         config: SlimConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except MissingMandatoryValue as exc:

@@ -98,3 +98,42 @@ def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_one_line_before_anyth
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "checkpoint.resume=false: " in lines[0] and "iter_0000007" in lines[0]
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # no config.yaml, no logs
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["rollout.sampling.temperature=-1"], "rollout.sampling.temperature=-1.0: must be >= 0"),
+        (["eval.sampling.top_p=2"], "eval.sampling.top_p=2.0: must be in (0, 1]"),
+        (["train.global_batch_size=0"], "train.global_batch_size=0: must be >= 1"),
+        (["train.optimizer.lr=-0.001"], "train.optimizer.lr=-0.001: must be > 0"),
+        (["rollout.custom_rm_path=nope.rm"], "rollout.custom_rm_path=nope.rm: cannot import module `nope`"),
+        (["data.prompt_data={empty}"], "data.prompt_data={empty}: holds no records (empty file)"),
+        (
+            ["rollout.reward_type=remote", "rollout.remote_rm_url=rm.internal:8000"],
+            "rollout.remote_rm_url=rm.internal:8000: not an http(s) URL",
+        ),
+        (["algorithm.loss=sft", "train.global_batch_size=33"], "train.global_batch_size=33: SFT steps of 33"),
+    ],
+    ids=lambda v: v[0].split("=")[0] if isinstance(v, list) else None,
+)
+def test_bad_config_values_stop_slimrl_train_before_anything_is_created(
+    tmp_path, tiny_model, mod_sum_data, overrides, needle
+) -> None:
+    """Before: sampling values, hooks, data files, the reward URL and SFT batch divisibility failed
+    16-44 s in, after Ray, the trainers and the engines were up (exit 1, a Ray traceback, a half-made
+    run directory). Now: at load, one line, exit 2, no run directory."""
+    from tests.conftest import run_slimrl
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    runs = tmp_path / "runs"
+    proc = run_slimrl(
+        "train", "configs/tiny_moe_grpo_cpu.yaml", f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
+        f"data.prompt_data={mod_sum_data}", f"run.runs_dir={runs}",
+        *(o.format(empty=empty) for o in overrides), timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("slimrl: error: ") and needle.format(empty=empty) in lines[0], lines[0]
+    assert not runs.exists()

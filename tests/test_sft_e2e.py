@@ -30,6 +30,10 @@ def test_sft_run_writes_config_metrics_and_tensorboard(tmp_path, tiny_model, mod
     saved = load_config(run_dir / "config.yaml")
     assert saved.train.num_steps == steps and saved.parallel.ep == 2
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["prompt_data"] == str(mod_sum_data)
+    resolved = load_config(run_dir / "resolved.yaml")  # what the run used, every derived value set
+    assert (resolved.train.global_batch_size, resolved.parallel.dp, resolved.model.dtype) == (32, 2, "fp32")
+    assert resolved.train.lr_schedule.decay_steps == steps and resolved.cluster.device == "cpu"
+    assert f"step {steps}/{steps} | loss" in proc.stderr  # progress lines (logging.log_interval=1)
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

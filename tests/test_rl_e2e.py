@@ -131,6 +131,9 @@ def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
     resumed_at = int(again.stderr.split("resumed from", 1)[1].split("(step ", 1)[1].split(")")[0])
     assert resumed_at in (2, 4) and resumed_at <= len(interrupted)
     assert final[:resumed_at] == interrupted[:resumed_at]  # the steps before the checkpoint are kept
+    # rollout.save_samples: every rollout's samples once, those redone after the resume included
+    ids = [json.loads(line)["rollout_id"] for line in (run_dir / "rollout_samples.jsonl").open()]
+    assert [ids.count(i) for i in range(steps)] == [16 * 8] * steps and len(ids) == steps * 16 * 8
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in final) < 1e-4  # engines re-synced
 
 

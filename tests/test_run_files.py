@@ -12,7 +12,7 @@ import pytest
 from slimrl.data.prompts import PromptRecord, drop_long_prompts
 from slimrl.errors import ConfigError
 from slimrl.orchestration.metrics import log_due
-from slimrl.orchestration.sample_log import SAMPLES_FILE, start_samples, write_samples
+from slimrl.orchestration.sample_log import SAMPLES_FILE, SampleLog, start_samples, write_samples
 from slimrl.sample import Sample, Status
 
 
@@ -38,6 +38,22 @@ def test_samples_file_is_fresh_for_a_new_run_and_cut_at_the_checkpoint_on_resume
     assert not list(tmp_path.glob("*.partial"))
     start_samples(tmp_path)  # resume=false, or no checkpoint: a fresh file
     assert path.read_text() == ""
+
+
+def test_sample_log_writes_in_the_background_in_order_and_surfaces_a_failed_write(tmp_path) -> None:
+    log = SampleLog(tmp_path)
+    for rollout_id in range(3):
+        log.append(rollout_id, _groups(rollout_id))
+    log.close()
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [r["rollout_id"] for r in records] == [0, 0, 1, 1, 2, 2]
+    assert records[0] == {"rollout_id": 0, "split": "train", **_groups(0)[0][0].to_dict()}  # as to_dict
+
+    (tmp_path / "again").mkdir()
+    broken = SampleLog(tmp_path / "again")
+    broken.append(0, [[object()]])  # not a Sample: the write fails on the thread
+    with pytest.raises(TypeError):
+        broken.close()
 
 
 class _Tokenizer:

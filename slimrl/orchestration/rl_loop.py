@@ -22,7 +22,7 @@ from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
-from slimrl.orchestration.sample_log import start_samples, write_samples
+from slimrl.orchestration.sample_log import SampleLog
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.sample import Sample, Status
@@ -207,7 +207,7 @@ class RLRun:
         steps = config.train.num_steps
         start_step = self.resume()
         writer = MetricsWriter(self.run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
-        samples = start_samples(self.run_dir, start_step) if config.rollout.save_samples else None
+        samples = SampleLog(self.run_dir, start_step) if config.rollout.save_samples else None
         ahead = config.algorithm.async_staleness
         pending: deque = deque()
         try:
@@ -218,10 +218,10 @@ class RLRun:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
                 groups, rollout = ray.get(pending.popleft())
                 rollout_seconds = time.perf_counter() - step_start
-                if samples is not None:
-                    write_samples(samples, step, groups, "train")
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
+                if samples is not None:
+                    samples.append(step, groups)  # written while the trainer works
                 self.handoff.to_trainer()
                 train_start = time.perf_counter()
                 train = self.trainers.train_rl(batches)
@@ -240,6 +240,8 @@ class RLRun:
                     self._progress(step + 1, steps, metrics)
         finally:
             writer.close()
+            if samples is not None:
+                samples.close()
 
     def _metrics(
         self, rollout: dict, train: dict, restarted: list[int], start: float, rollout_s: float, train_s: float

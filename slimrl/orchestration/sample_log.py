@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,41 @@ def start_samples(run_dir: Path, start_rollout: int = 0) -> Path:
 def write_samples(path: Path, rollout_id: int, groups: list[list[Any]], split: str) -> None:
     """Append one JSON object per sample: its `Sample` fields plus `rollout_id` and `split`."""
     lines = [
-        json.dumps({"rollout_id": rollout_id, "split": split, **sample.to_dict()}) + "\n"
+        json.dumps({"rollout_id": rollout_id, "split": split, **_fields(sample)}) + "\n"
         for group in groups
         for sample in group
     ]
     with Path(path).open("a") as handle:
         handle.write("".join(lines))
+
+
+def _fields(sample: Any) -> dict[str, Any]:
+    """`Sample.to_dict()` without its deep copy (3x faster; json.dumps copies anyway)."""
+    fields = dict(vars(sample))
+    fields["status"] = sample.status.value
+    return fields
+
+
+class SampleLog:
+    """The samples file of `slimrl train`: each rollout is appended on a background thread, so the
+    loop never waits for the disk (~10 ms per demo rollout); `close` waits for the last one."""
+
+    def __init__(self, run_dir: Path, start_rollout: int = 0) -> None:
+        self.path = start_samples(run_dir, start_rollout)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-log")
+        self._last: Future[None] | None = None
+
+    def append(self, rollout_id: int, groups: list[list[Any]], split: str = "train") -> None:
+        """Queue a rollout; the samples must not change afterwards (the trainer only reads them)."""
+        self._wait()
+        self._last = self._pool.submit(write_samples, self.path, rollout_id, groups, split)
+
+    def _wait(self) -> None:
+        if self._last is not None:
+            self._last.result()  # a failed write raises here
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)

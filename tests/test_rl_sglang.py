@@ -130,3 +130,18 @@ def test_grpo_disk_against_real_sglang_keeps_one_version(tmp_path, tiny_model, m
     assert versions == [f"v{steps}"]
     sync = ["pause_generation", "update_weights_from_disk", "flush_cache", "continue_generation"]
     assert control_calls(tmp_path / "sglang_disk" / "logs" / "engine0.log") == sync * steps
+
+
+def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
+    """The reward rises with real SGLang generating, as with the embedded engine, and the engine's
+    logprobs stay the trainer's after every one of the updates that made it rise."""
+    steps = 30
+    metrics = run(
+        tmp_path, "sglang_learns", tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
+        f"train.num_steps={steps}", "rollout.num_engines=1", "rollout.rollout_batch_size=64",
+        "rollout.n_samples_per_prompt=8", "train.optimizer.lr=1e-3", "checkpoint.save_interval=null",
+    )  # fmt: skip
+    reward = [r["rollout/raw_reward"] for r in metrics]
+    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    assert last > first + 0.02 and last > 2 * first, (first, last)
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < SYNCED

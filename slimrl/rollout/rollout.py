@@ -190,7 +190,8 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
     keep = load_filter_fn(ctx.config)
     kept: list[Group] = []
     surplus: list[Group] = []  # finished after the batch was full in the same wake-up
-    counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0}
+    counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0,
+              "finished_reward_sum": 0.0, "finished_samples": 0}  # fmt: skip
     pending: set[asyncio.Task] = set()
     try:
         while len(kept) < target:
@@ -235,12 +236,16 @@ def _sort_group(
     keep: Callable[..., Any] | None,
     ctx: RolloutContext,
     kept: list[Group],
-    counts: dict[str, int],
+    counts: dict[str, float],
 ) -> None:
     """Keep a finished group that passes the filter; count the others."""
     if not _group_finished(group):
         counts["unfinished_groups"] += 1
-    elif keep is not None and not _passes(keep, ctx, group):
+        return
+    rewards = [scalar_reward(s.reward) for s in group if s.reward is not None]
+    counts["finished_reward_sum"] += sum(rewards)  # before the filter: what the policy scores
+    counts["finished_samples"] += len(rewards)
+    if keep is not None and not _passes(keep, ctx, group):
         counts["dropped_groups"] += 1
     else:
         kept.append(group)
@@ -299,5 +304,8 @@ def rollout_metrics(groups: list[Group], seconds: float, counts: dict[str, Any])
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "seconds": seconds,
     }
+    reward_sum, scored = counts.pop("finished_reward_sum", None), counts.pop("finished_samples", 0)
+    if reward_sum is not None:  # every finished group's reward, kept or dropped by the filter
+        metrics["raw_reward_unfiltered"] = reward_sum / scored if scored else 0.0
     metrics.update({k: float(v) for k, v in counts.items()})
     return metrics

@@ -387,6 +387,11 @@ def _data(tmp_path: Path, name: str, text: str) -> Path:
             "32 samples must split evenly over 4 data-parallel ranks x 3 optimizer steps",
         ),
         (["model.ref_load=."], "model.ref_load=/"),  # no KL term: the reference would be unused
+        (
+            ["cluster.device=cuda"],
+            "rollout.weight_sync=tensor (auto): a GPU trainer would send CUDA IPC handles, which the "
+            "embedded engine (CPU) cannot receive",
+        ),
         (["rollout.reward_type=remote"], "rollout.reward_type=remote: set rollout.remote_rm_url"),
         (
             ["rollout.reward_type=remote", "rollout.remote_rm_url=localhost:8000/score"],
@@ -470,6 +475,19 @@ def test_data_files_are_checked_at_load_from_their_first_records(moe, tmp_path, 
         load_config(None, _base(moe, f"data.prompt_data={path}", *extra))
     message = str(info.value)
     assert fragment.format(path=path) in message and "\n" not in message, message
+
+
+def test_cross_field_checks_pass_for_what_the_run_accepts(moe):
+    load_config(None, _base(moe, "cluster.device=cuda", "rollout.weight_sync=disk"))  # embedded engine
+    load_config(None, _base(moe, "cluster.device=cuda", "algorithm.loss=sft"))  # no engines
+    load_config(None, _base(moe, "train.global_batch_size=32"))  # the derived value, as a check
+    load_config(None, _base(moe, "algorithm.kl_loss_coef=0.1", "model.ref_load=."))
+    load_config(
+        None, _base(moe, "rollout.reward_type=remote", "rollout.remote_rm_url=https://rm:8443/v1/score")
+    )
+    load_config(
+        None, _base(moe, "rollout.custom_rm_path=examples.custom_reward.reward", "rollout.group_rm=false")
+    )
 
 
 def test_data_checks_pass_for_what_the_run_accepts(moe, tmp_path, mod_sum_data):

@@ -340,12 +340,26 @@ def _check_fp8_rollout(config: SlimConfig) -> None:
 
 
 def _check_weight_sync(config: SlimConfig) -> None:
-    """`tensor` sends host-local references; with several nodes some engine cannot open them."""
+    """`tensor` sends host-local references; with several nodes some engine cannot open them. From
+    GPU trainers, `tensor` and `distributed` need GPU engines (CUDA IPC, NCCL)."""
     nodes = config.cluster.num_nodes
     if config.rollout.weight_sync == "tensor" and nodes > 1:
         raise ConfigError(
             f"rollout.weight_sync=tensor: needs the trainer and every engine on one host, but "
             f"cluster.num_nodes={nodes}; use auto, distributed or disk (disk: runs_dir shared by all nodes)"
+        )
+    transport = weight_transport(config)
+    if (
+        config.algorithm.loss == "policy"
+        and config.rollout.engine == "embedded"
+        and transport != "disk"
+        and resolve_device(config) == "cuda"
+    ):
+        auto = " (auto)" if config.rollout.weight_sync == "auto" else ""
+        how = "CUDA IPC handles" if transport == "tensor" else "an NCCL broadcast group"
+        raise ConfigError(
+            f"rollout.weight_sync={transport}{auto}: a GPU trainer would send {how}, which the embedded "
+            "engine (CPU) cannot receive; use rollout.engine=sglang on GPUs, or rollout.weight_sync=disk"
         )
 
 

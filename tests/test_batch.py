@@ -34,6 +34,16 @@ def test_collate_aligns_response_values_with_labels():
     assert mb.seq_index_BS[1].tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
 
 
+def test_collate_pads_rows_with_loss_free_padding():
+    # Uniform-shape layouts (VPP): every micro-batch gets the same [rows, length].
+    mb = collate(_batch([5, 3]), min_length=6, min_rows=3)
+    assert mb.tokens_BS.shape == (3, 6) and mb.num_seqs == 2
+    assert mb.tokens_BS[2].tolist() == [0] * 6 and mb.seq_index_BS[2].tolist() == [-1] * 6
+    assert mb.loss_mask_BS[2].sum() == 0 and mb.response_mask_BS[2].sum() == 0
+    assert mb.per_token_BS["adv"][2].tolist() == [0.0] * 6
+    assert set(mb.per_sequence(torch.ones(3, 6))) == {0, 1}
+
+
 def test_split_by_tokens_respects_budget_and_keeps_every_sequence():
     lengths = [30, 7, 12, 25, 3, 16, 9, 9]
     parts = split_by_tokens(_batch(lengths), max_tokens=40)

@@ -37,6 +37,19 @@ def losses(results) -> list[float]:
     return [m["loss"] for m in reporting[0]["metrics"]]
 
 
+def grad_norms(results) -> list[float]:
+    """Every rank reports the step's global gradient norm (Megatron reduces it over all ranks)."""
+    norms = {tuple(m["grad_norm"] for m in r["metrics"]) for r in results}
+    assert len(norms) == 1, norms
+    return list(norms.pop())
+
+
+def assert_equals_one_rank(results, single) -> None:
+    """Same loss curve and gradient norms as one rank (the optimizer steps feed back into both)."""
+    assert losses(results) == pytest.approx(losses(single), abs=1e-5)
+    assert grad_norms(results) == pytest.approx(grad_norms(single), rel=1e-6, abs=1e-5)
+
+
 def assert_falls(results) -> None:
     curve = losses(results)
     assert curve[-1] < curve[0] - 0.3, curve
@@ -84,10 +97,21 @@ def test_pp2_one_f_one_b_with_several_microbatches(tmp_path, tiny_model, single)
     assert_falls(results)
 
 
-def test_pp2_virtual_stages_and_uneven_stages(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def single_4_layers(tmp_path_factory, tiny_model):
+    return train(tmp_path_factory.mktemp("single4"), tiny_model, 1, layers=4)
+
+
+def test_pp2_virtual_stages_and_uneven_stages(tmp_path, tiny_model, single_4_layers):
+    # pp2 x vpp2, one layer per virtual stage: the interleaved schedule, whose steady state sends an
+    # activation and a gradient to the same peer in one call (it used to swap them, with gradient
+    # norms 100x off while the loss still fell).
     interleaved = train(tmp_path, tiny_model, 2, "parallel.pp=2", "parallel.vpp=2", layers=4)
+    assert [len({k.split("/")[0] for k in r["digests"]}) for r in interleaved] == [2, 2]  # 2 chunks each
+    assert_equals_one_rank(interleaved, single_4_layers)
     assert_falls(interleaved)
     uneven = train(tmp_path, tiny_model, 2, "parallel.pp=2", "parallel.pp_layout=[1,3]", layers=4)
+    assert_equals_one_rank(uneven, single_4_layers)
     assert_falls(uneven)
     first_stage_layers = {k.split(".")[2] for k in uneven[0]["digests"] if ".layers." in k}
     last_stage_layers = {k.split(".")[2] for k in uneven[1]["digests"] if ".layers." in k}

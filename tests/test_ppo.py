@@ -229,6 +229,20 @@ def test_critic_is_independent_of_the_layout(tmp_path, tiny_model, reference, ov
 
 
 @pytest.mark.slow
+def test_critic_under_virtual_pipeline_equals_one_rank(tmp_path, tiny_model):
+    """pp2 x vpp2 on a 4-layer model: policy and critic chunks both run the interleaved schedule
+    (the value head on the last virtual stage)."""
+    model = f"model.hf_checkpoint={tiny_model('qwen3_moe', num_hidden_layers=4)}"  # last one wins
+    budget = "train.max_tokens_per_gpu=40"
+    theirs = last_stage(run(tmp_path, tiny_model, "steps", 1, budget, *GAE, model))["metrics"]
+    interleaved = ("parallel.pp=2", "parallel.vpp=2", budget, *GAE, model)
+    ours = last_stage(run(tmp_path, tiny_model, "steps", 2, *interleaved))["metrics"]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in (*CRITIC_KEYS, *POLICY_KEYS):
+            assert mine[key] == pytest.approx(ref[key], abs=1e-5), key
+
+
+@pytest.mark.slow
 def test_checkpoint_resume_continues_bit_for_bit(tmp_path, tiny_model):
     """Save after step 1 (EP2, distributed optimizer), then step 2; a new process loads the
     checkpoint and runs step 2: same metrics, same policy and critic bytes after the update."""

@@ -15,10 +15,11 @@ pytestmark = pytest.mark.slow
 WORKER = REPO / "tests" / "dist" / "rl_worker.py"
 
 
-def run(tmp_path, tiny_model, scenario, nproc=1, *overrides):
+def run(tmp_path, tiny_model, scenario, nproc=1, *overrides, layers=2):
+    model = tiny_model("qwen3_moe", num_hidden_layers=layers) if layers != 2 else tiny_model("qwen3_moe")
     args = [
         scenario,
-        f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
+        f"model.hf_checkpoint={model}",
         f"cluster.gpus_per_node={nproc}",
         "train.optimizer.lr=1e-3",
         *overrides,
@@ -84,6 +85,23 @@ def test_update_is_independent_of_layout_and_micro_batching(
             # so compare the mean difference, bounded by that on every element.
             difference = (weights[name] - tensor).abs()
             assert difference.mean() < 1e-6 and difference.max() <= 2e-3 + 1e-6, name
+
+
+def test_virtual_pipeline_update_equals_one_rank(tmp_path, tiny_model):
+    """pp2 x vpp2 on a 4-layer model (one layer per virtual stage), dynamic batching: micro-batches
+    padded to a multiple of pp and to equal shapes for the interleaved schedule. Two updates, then
+    the logprobs of the updated policy."""
+    budget = "train.max_tokens_per_gpu=40"
+    one, _ = run(tmp_path, tiny_model, "steps", 1, budget, layers=4)
+    vpp, _ = run(tmp_path, tiny_model, "steps", 2, "parallel.pp=2", "parallel.vpp=2", budget, layers=4)
+    ours, theirs = last_stage(vpp)["metrics"], last_stage(one)["metrics"]
+    for mine, ref in zip(ours, theirs, strict=True):
+        assert mine["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], abs=1e-5)
+        assert mine["train/pg_loss"] == pytest.approx(ref["train/pg_loss"], abs=1e-6)
+    after, expected = last_stage(vpp)["after_logprobs"], last_stage(one)["after_logprobs"]
+    assert after.keys() == expected.keys()
+    for sample, values in expected.items():
+        assert after[sample] == pytest.approx(values, abs=1e-5), sample
 
 
 def test_offload_cycle_is_byte_identical(tmp_path, tiny_model, reference):

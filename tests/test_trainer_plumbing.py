@@ -80,6 +80,24 @@ def test_fp8_recipe_reaches_the_transformer_config(tiny_model, recipe):
     assert "fp8" not in plain and "fp8_recipe" not in plain
 
 
+@pytest.mark.parametrize("use_te", [False, True], ids=["cpu", "gpu"])
+def test_virtual_pipeline_uses_unbatched_p2p(tiny_model, use_te):
+    # The interleaved schedule sends an activation and a gradient to the same peer in one call at
+    # pp=2; batched isend/irecv matches them per peer in posting order and swapped the two.
+    model = tiny_model("qwen3_moe", num_hidden_layers=4)
+    arch = read_model_arch(str(model), None)
+
+    def kwargs(*overrides: str) -> dict:
+        config = load_config(None, [f"model.hf_checkpoint={model}", "cluster.gpus_per_node=2", *overrides])
+        layout = ParallelLayout.resolve(config.parallel, 2, arch)
+        return transformer_config_kwargs(arch, layout, BuildOptions(use_te=use_te))
+
+    interleaved = kwargs("parallel.pp=2", "parallel.vpp=2")
+    assert interleaved["batch_p2p_comm"] is False
+    assert interleaved["virtual_pipeline_model_parallel_size"] == 2
+    assert kwargs("parallel.pp=2")["batch_p2p_comm"] is True  # 1F1B never sends both ways in one call
+
+
 @pytest.mark.slow
 def test_frozen_parameters_do_not_move(tmp_path, tiny_model):
     (result,) = run_torchrun(

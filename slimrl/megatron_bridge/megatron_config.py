@@ -93,6 +93,13 @@ def transformer_config_kwargs(
         sequence_parallel=layout.sequence_parallel,
         # Micro-batches of different lengths (dynamic batching) need shapes sent with the activations.
         variable_seq_lengths=not uniform_shapes(layout, options),
+        # The interleaved (VPP) schedule sends activations forward and gradients backward in one
+        # call; with pp=2 both go to the same peer, and batched isend/irecv (Megatron-Core's
+        # default) is matched in posting order per peer (NCCL ignores tags, gloo's are all 0):
+        # each rank's send-to-prev (a gradient) landed in the other's recv-from-prev (an
+        # activation). Megatron's unbatched path orders the pairs (and uses a second group for
+        # one direction), as Megatron-LM does for VPP by default.
+        batch_p2p_comm=layout.vpp is None,
         moe_token_dispatcher_type=options.moe_token_dispatcher,
         deterministic_mode=options.deterministic,
     )

@@ -112,7 +112,8 @@ class MegatronActor:
         return not self.options.use_te and not uniform_shapes(self.layout, self.options)
 
     def _micro_batches(self, batch: TrainBatch, max_tokens: int | None = None) -> list[MicroBatch]:
-        """Cut this rank's batch into micro-batches; every DP rank ends up with the same count."""
+        """Cut this rank's batch into micro-batches; every DP rank ends up with the same count (a
+        multiple of pp under VPP, padded with loss-free micro-batches)."""
         train = self.config.train
         budget = max_tokens or train.max_tokens_per_gpu
         pack = False
@@ -124,13 +125,21 @@ class MegatronActor:
             parts = split_by_tokens(batch, budget, packed=pack)
         else:
             parts = split_fixed(batch, train.micro_batch_size)
-        parts = pad_micro_batch_count(parts, self._max_over_dp(len(parts)))
+        count = self._max_over_dp(len(parts))
+        if self.layout.vpp:  # the interleaved schedule runs micro-batches in groups of pp
+            count = -(-count // self.layout.pp) * self.layout.pp
+        parts = pad_micro_batch_count(parts, count)
         # Sequence parallelism splits the sequence dimension over TP ranks.
         multiple = self.layout.tp if self.layout.sequence_parallel else 1
         if pack:
             return [collate_packed(part, pad_to_multiple=multiple) for part in parts]
-        same_length = max(len(t) for t in batch.tokens) if uniform_shapes(self.layout, self.options) else 0
-        return [collate(part, pad_to_multiple=multiple, min_length=same_length) for part in parts]
+        uniform = uniform_shapes(self.layout, self.options)  # the same [rows, length] for every one
+        same_length = max(len(t) for t in batch.tokens) if uniform else 0
+        same_rows = max(len(part) for part in parts) if uniform else 0
+        return [
+            collate(part, pad_to_multiple=multiple, min_length=same_length, min_rows=same_rows)
+            for part in parts
+        ]
 
     def with_oom_retry(self, run, batch: TrainBatch, model: list[Any] | None = None):
         """`run(micro_batches)` with OOM recovery: every rank agrees on failure (an all-reduced
@@ -210,7 +219,7 @@ class MegatronActor:
             model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=longest,
-            micro_batch_size=max(mb.num_seqs for mb in micro_batches),
+            micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
             forward_only=forward_only,
         )
 

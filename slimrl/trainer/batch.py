@@ -133,11 +133,14 @@ def _micro_batch(batch: TrainBatch, t: dict[str, torch.Tensor], mask: torch.Tens
     )
 
 
-def collate(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0) -> MicroBatch:
-    """One sequence per row, right-padded: padding never reaches a real token's attention."""
+def collate(
+    batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1, min_length: int = 0, min_rows: int = 0
+) -> MicroBatch:
+    """One sequence per row, right-padded: padding never reaches a real token's attention. Rows
+    beyond the batch's sequences (`min_rows`) are all padding, with no loss and no sequence."""
     longest = max(max(len(t) for t in batch.tokens), min_length)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
-    t = _empty(len(batch), length, list(batch.per_token), pad_id)
+    t = _empty(max(len(batch), min_rows), length, list(batch.per_token), pad_id)
     for row in range(len(batch)):
         _fill_row(batch, row, 0, row, t)
     return _micro_batch(batch, t, None)

@@ -11,7 +11,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["engine", "router", "packing", "trainer", "ppo_critic", "export", "convert", "weight_sync", "rl_loop"]
+BENCHES = [
+    "engine",
+    "router",
+    "packing",
+    "trainer",
+    "ppo_critic",
+    "export",
+    "convert",
+    "weight_sync",
+    "rl_loop",
+]
 
 
 def main() -> int:

@@ -128,5 +128,3 @@ def engine_base_gpu_id(devices: Sequence[int], visible: str | None = None) -> in
     if ordinals != list(range(ordinals[0], ordinals[0] + len(ordinals))):
         raise SlimError(f"engine GPUs {list(devices)} are not consecutive (CUDA_VISIBLE_DEVICES={visible})")
     return ordinals[0]
-
-

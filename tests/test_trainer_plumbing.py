@@ -47,12 +47,9 @@ def test_optimizer_cpu_offload_on_gpu_offloads_everything(tiny_model):
     assert set(kwargs) <= _optimizer_config_fields()  # megatron-core's names (cannot build without TE)
 
 
-def test_optimizer_cpu_offload_needs_the_distributed_optimizer_on_gpu(tiny_model):
-    config = _config(
-        tiny_model, "train.optimizer.cpu_offload=true", "parallel.use_distributed_optimizer=false"
-    )
+def test_optimizer_cpu_offload_without_the_distributed_optimizer_is_refused_at_load(tiny_model):
     with pytest.raises(ConfigError, match=r"parallel\.use_distributed_optimizer=true"):
-        optimizer_config_kwargs(config, GPU_OPTIONS, use_cuda=True)
+        _config(tiny_model, "train.optimizer.cpu_offload=true", "parallel.use_distributed_optimizer=false")
 
 
 def test_optimizer_cpu_offload_is_a_no_op_on_cpu(tiny_model):

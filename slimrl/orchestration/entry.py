@@ -27,7 +27,9 @@ def prepare_run_dir(config: SlimConfig) -> tuple[Path, SlimConfig]:
     save_config(config, run_dir / "config.yaml")
     save_config(resolved, run_dir / "resolved.yaml")
     if resolved.rollout.admin_api_key is None:
-        resolved.rollout.admin_api_key = secrets.token_urlsafe(24)
+        # Hex, not urlsafe: a key starting with "-" (1 draw in 64) reads as an option to the
+        # engines' argparse (`--admin-api-key -x...`), and the run fails to start.
+        resolved.rollout.admin_api_key = secrets.token_hex(24)
     return run_dir, resolved
 
 

@@ -215,6 +215,14 @@ def test_bad_generate_requests_are_400_with_a_one_line_message(server, body, nee
     assert needle in message and "\n" not in message
 
 
+def test_get_weights_by_name_bad_size_is_400_and_a_query_size_works(server):
+    """Found by probing every control endpoint with malformed bodies: this one was a 500."""
+    bad = server.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "x"})
+    assert bad.status_code == 400 and "truncate_size" in bad.json()["message"]
+    good = server.get("/get_weights_by_name?name=model.norm.weight&truncate_size=2")
+    assert good.status_code == 200 and len(good.json()) == 2
+
+
 def test_concurrent_requests_equal_their_sequential_results(server):
     prompts = [[10 + i, 20 + 2 * i, 30 + i % 7] * (1 + i % 3) for i in range(16)]
     bodies = [

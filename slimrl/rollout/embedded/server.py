@@ -692,7 +692,10 @@ class EmbeddedServer:
         engine = self._engine()
         body = await _json_body(request) if request.method == "POST" else dict(request.query)
         name = _field(body, "name", str)
-        size = int(body.get("truncate_size", 100))
+        raw = body.get("truncate_size", 100)
+        if isinstance(raw, str) and raw.isdigit():  # a GET query carries strings
+            raw = int(raw)
+        size = _field({"truncate_size": raw}, "truncate_size", int)
         values = await self._wait(engine.get_weights_by_name(name, size))
         return web.json_response(values)
 

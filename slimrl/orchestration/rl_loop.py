@@ -53,10 +53,18 @@ class Fleet:
         for seat in seats:  # on GPUs each sees its node's GPUs (launch_plan.py)
             options = remote.options(**engine_actor_options(slots, seat, share))
             self.engines.append(options.remote(config, seat.index, log_dir, seat, model_path))
-        self.urls: list[str] = ray.get([e.start.remote() for e in self.engines])
+        started = [e.start.remote() for e in self.engines]
+        # The manager (tokenizer, data, router process) comes up while the engines load.
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8)
-        self.manager = manager.remote(config, self.urls, log_dir)
+        self.manager = manager.remote(config, log_dir)
         self.restarts = 0
+        self.urls: list[str] = []
+        try:
+            self.urls = ray.get(started)
+            ray.get(self.manager.connect.remote(self.urls))
+        except BaseException:
+            self.shutdown()  # the engines and the router that did start
+            raise
 
     def heal(self) -> list[int]:
         """Restart engines that died; swap them in the router and client. Returns their indices."""

@@ -87,29 +87,54 @@ def _node_ip() -> str:
 
 
 class RolloutManager:
-    """Runs rollouts against the fleet; holds the data source (checkpointed with the run)."""
+    """Runs rollouts against the fleet; holds the data source (checkpointed with the run).
 
-    def __init__(self, config: SlimConfig, engine_urls: list[str], log_dir: str) -> None:
+    Built in two parts so that it starts while the engines load: `__init__` (tokenizer, data,
+    the router process, not yet waited for), then `connect(engine_urls)` once they are healthy."""
+
+    def __init__(self, config: SlimConfig, log_dir: str, engine_urls: list[str] | None = None) -> None:
         from transformers import AutoTokenizer
 
-        from slimrl.rollout.client import FleetClient
         from slimrl.rollout.data_source import DataSource
-        from slimrl.rollout.generate import RolloutContext
-        from slimrl.rollout.router import launch_router
+        from slimrl.rollout.router import Router, start_router
 
         self.config = config
-        self.router = None
-        dropped: set[str] = set()
+        self.router: Router | None = None
         if config.rollout.router.enabled:
             from slimrl.utils.net import free_port
 
-            self.router = launch_router(
+            self.router = start_router(
                 "127.0.0.1", free_port(), config.model.hf_checkpoint, config.rollout.router.policy,
                 Path(log_dir) / "router.log",
             )  # fmt: skip
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+        self.source = DataSource(config)
+        self.evals = {
+            name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()
+        }
+        self.client: Any = None
+        self.ctx: Any = None
+        # One event loop on its own thread: the actor serves several calls at once (a control call
+        # such as pause must not wait for a running rollout), all of them on this loop.
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
+        if engine_urls is not None:
+            self.connect(engine_urls)
+
+    def connect(self, engine_urls: list[str]) -> None:
+        """Register the healthy engines with the router, probe what it forwards, open the client."""
+        from slimrl.rollout.client import FleetClient
+        from slimrl.rollout.generate import RolloutContext
+        from slimrl.rollout.router import wait_router_ready
+        from slimrl.utils.gc_tuning import freeze_startup_heap
+
+        dropped: set[str] = set()
+        if self.router is not None:
+            wait_router_ready(self.router)
             for url in engine_urls:
                 self.router.register(url)
             dropped = self.router.probe_dropped_fields(prompt_ids=[1, 2, 3])
+        config = self.config
         self.client = FleetClient(
             engine_urls,
             router_url=self.router.url if self.router else None,
@@ -118,18 +143,7 @@ class RolloutManager:
             admin_api_key=config.rollout.admin_api_key,
             request_timeout_s=config.rollout.request_timeout_s,
         )
-        tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
-        self.ctx = RolloutContext(config, tokenizer, self.client)
-        self.source = DataSource(config)
-        self.evals = {
-            name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()
-        }
-        # One event loop on its own thread: the actor serves several calls at once (a control call
-        # such as pause must not wait for a running rollout), all of them on this loop.
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
-        from slimrl.utils.gc_tuning import freeze_startup_heap
-
+        self.ctx = RolloutContext(config, self.tokenizer, self.client)
         freeze_startup_heap()  # full collections of the start-up heap stalled every rollout
 
     def _run(self, coroutine: Any) -> Any:
@@ -172,7 +186,8 @@ class RolloutManager:
         self.source.load_state_dict(state)
 
     def shutdown(self) -> None:
-        self._run(self.client.close())
+        if self.client is not None:
+            self._run(self.client.close())
         if self.router is not None:
             self.router.process.stop()
             self.router = None

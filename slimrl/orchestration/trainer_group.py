@@ -25,26 +25,25 @@ class TrainerGroup:
     def __init__(self, config: SlimConfig, slots: DeviceSlots, world_size: int, share: float) -> None:
         import ray
 
-        from slimrl.trainer.distributed import RankInfo
-
         remote_actor = ray.remote(_ActorHost)
         first = remote_actor.options(scheduling_strategy=slots.strategy(0), **slots.resources(share))
         self.world_size = world_size
         self.actors = [first.remote()]
-        addr, port = ray.get(self.actors[0].pick_address.remote())
+        address = self.actors[0].pick_address.remote()  # Ray hands the result to every create()
         for rank in range(1, world_size):
             options = remote_actor.options(scheduling_strategy=slots.strategy(rank), **slots.resources(share))
             self.actors.append(options.remote())
-        infos = [
-            RankInfo(rank=r, world_size=world_size, master_addr=addr, master_port=port)
-            for r in range(world_size)
+        # Not waited for here: the rank processes start and import while the caller goes on (the
+        # RL loop starts the rollout fleet meanwhile); setup() collects them, and their errors.
+        self._created = [
+            actor.create.remote(config, rank, world_size, address) for rank, actor in enumerate(self.actors)
         ]
-        ray.get([actor.create.remote(config, info) for actor, info in zip(self.actors, infos, strict=True)])
         self.dp_rank_of: list[int] = []
 
     def setup(self, total_steps: int) -> list[dict[str, Any]]:
         import ray
 
+        ray.get(self._created)
         summaries = ray.get([a.call.remote("setup", total_steps) for a in self.actors])
         coords = ray.get([a.call.remote("coordinates") for a in self.actors])
         ray.get([a.freeze_startup_heap.remote() for a in self.actors])
@@ -125,10 +124,17 @@ class _ActorHost:
     def pick_address(self) -> tuple[str, int]:
         return _RankAddress.pick()
 
-    def create(self, config: SlimConfig, info: Any) -> None:
+    def create(self, config: SlimConfig, rank: int, world_size: int, address: tuple[str, int]) -> None:
+        from slimrl.compat import megatron_cpu
         from slimrl.trainer.actor import MegatronActor
+        from slimrl.trainer.distributed import RankInfo
 
+        master_addr, master_port = address
+        info = RankInfo(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
         self.actor = MegatronActor(config, info)
+        # The first thing setup() does, done now while the fleet starts: on CPU, import and patch
+        # Megatron-Core (seconds of imports, no memory); a no-op on GPU machines.
+        megatron_cpu.apply()
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.actor, method)(*args)

@@ -9,7 +9,8 @@ from slimrl.data.prompts import EpochSampler
 from slimrl.errors import SlimError
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.sample import Sample
-from slimrl.trainer.batch import TrainBatch, collate, split_by_tokens
+from slimrl.trainer import batch as batch_module
+from slimrl.trainer.batch import TrainBatch, collate, collate_packed, split_by_tokens
 
 
 def _batch(lengths, response=2):
@@ -42,6 +43,39 @@ def test_collate_pads_rows_with_loss_free_padding():
     assert mb.loss_mask_BS[2].sum() == 0 and mb.response_mask_BS[2].sum() == 0
     assert mb.per_token_BS["adv"][2].tolist() == [0.0] * 6
     assert set(mb.per_sequence(torch.ones(3, 6))) == {0, 1}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_collate_writes_what_the_row_by_row_reference_writes(monkeypatch, packed):
+    """The one-write-per-tensor collation equals `_fill_row` applied sequence by sequence, on
+    random batches (prompts of 1..6 tokens, responses of 0..7, padding multiples)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(60):
+        lengths = [(rng.randint(1, 6), rng.randint(0, 7)) for _ in range(rng.randint(1, 10))]
+        batch = TrainBatch(
+            tokens=[[rng.randint(0, 99) for _ in range(p + r)] for p, r in lengths],
+            response_lengths=[r for _, r in lengths],
+            loss_masks=[[rng.randint(0, 1) for _ in range(r)] for _, r in lengths],
+            per_token={"adv": [[rng.uniform(-3, 3) for _ in range(r)] for _, r in lengths]},
+        )
+        multiple = rng.choice([1, 2, 4])
+        fast = collate_packed(batch, pad_to_multiple=multiple) if packed else collate(batch, multiple)
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                batch_module, "_fill_rows",
+                lambda b, places, t: [batch_module._fill_row(b, *place, t) for place in places],
+            )  # fmt: skip
+            slow = collate_packed(batch, pad_to_multiple=multiple) if packed else collate(batch, multiple)
+        for name in ("tokens_BS", "position_ids_BS", "labels_BS", "loss_mask_BS", "response_mask_BS",
+                     "seq_index_BS"):  # fmt: skip
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+            assert getattr(fast, name).dtype == getattr(slow, name).dtype, name
+        assert torch.equal(fast.per_token_BS["adv"], slow.per_token_BS["adv"])
+        assert (fast.attention_mask is None) == (slow.attention_mask is None)
+        if packed:
+            assert torch.equal(fast.attention_mask, slow.attention_mask)
 
 
 def test_split_by_tokens_respects_budget_and_keeps_every_sequence():

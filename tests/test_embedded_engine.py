@@ -184,6 +184,30 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     )
 
 
+def test_batched_draw_equals_the_per_request_draw():
+    """Rows without truncation are drawn together (`_draw_untruncated`); each gets the token, the
+    logprob and the generator state that `_draw` alone gives it, whatever shares the batch."""
+    from slimrl.rollout.embedded.sampling import _draw, sample_step
+
+    rng = torch.Generator().manual_seed(0)
+    for rows, vocab, scale in [(1, 3, 1.0), (37, 104, 5.0), (64, 103, 30.0), (9, 4099, 0.1)]:
+        logits = torch.randn(rows, vocab, generator=rng) * scale
+        params = [
+            SamplingParams(temperature=[1.0, 0.7, 1.3, 0.0][i % 4], top_k=5 if i % 5 == 4 else -1)
+            for i in range(rows)
+        ]
+        seeds = torch.randint(0, 1 << 40, (rows,), generator=rng).tolist()
+        batched = [torch.Generator().manual_seed(s) for s in seeds]
+        alone = [torch.Generator().manual_seed(s) for s in seeds]
+        step = sample_step(logits, params, batched, [()] * rows)
+        for row, p in enumerate(params):
+            dist = step.distributions[row]
+            expected = int(torch.argmax(logits[row])) if p.greedy else _draw(dist, p, alone[row], ())
+            assert step.tokens[row] == expected
+            assert step.logprobs[row] == float(dist[expected])
+            assert torch.equal(batched[row].get_state(), alone[row].get_state())
+
+
 def test_stop_token_ids_and_trim(engine):
     prompt = engine.tokenizer.encode("stop test ")
     free = engine.generate(_greedy_req(prompt, 12, ignore_eos=True)).generated_ids

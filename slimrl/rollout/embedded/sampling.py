@@ -94,18 +94,41 @@ def sample_step(
     """
     temps = torch.tensor([p.effective_temperature for p in params], dtype=logits.dtype)
     dists = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens: list[int] = []
+    tokens: list[int] = [0] * len(params)
+    plain: list[int] = []  # rows drawn from the whole distribution: drawn together below
     for row, (p, gen, banned) in enumerate(zip(params, generators, suppressed, strict=True)):
         if p.greedy:
             scores = logits[row]
             if banned:
                 scores = scores.clone()
                 scores[list(banned)] = float("-inf")
-            tokens.append(int(torch.argmax(scores)))
+            tokens[row] = int(torch.argmax(scores))
+        elif banned or _truncates(p, dists.shape[-1]):
+            tokens[row] = _draw(dists[row], p, gen, banned)
         else:
-            tokens.append(_draw(dists[row], p, gen, banned))
-    logprobs = [float(dists[row, tok]) for row, tok in enumerate(tokens)]
+            plain.append(row)
+    if plain:
+        drawn = _draw_untruncated(dists[plain], [generators[row] for row in plain])
+        for row, token in zip(plain, drawn, strict=True):
+            tokens[row] = token
+    logprobs = dists[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
     return StepSample(tokens=tokens, logprobs=logprobs, distributions=dists)
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _draw_untruncated(logprobs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """`_draw` for rows without truncation or banned tokens, all rows at once: the same uniform
+    from each row's generator, the same stable descending order, cumulative sums and search."""
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators])
+    probs = logprobs.to(torch.float64).exp()
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cdf = torch.cumsum(sorted_p, dim=-1)
+    pos = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    last_kept = (sorted_p > 0).sum(dim=-1) - 1  # sorted descending: the kept tokens lead
+    return order.gather(1, torch.minimum(pos, last_kept).unsqueeze(1)).squeeze(1).tolist()
 
 
 def _draw(logprobs: torch.Tensor, p: SamplingParams, gen: torch.Generator, banned: tuple[int, ...]) -> int:

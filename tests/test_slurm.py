@@ -106,6 +106,7 @@ def test_sbatch_script_runs_grpo_on_one_cpu_node(slurm_partition, tmp_path, tiny
         "run.name=slurm",
         f"train.num_steps={STEPS}",
         "rollout.rollout_batch_size=16",
+        "rollout.n_samples_per_prompt=8",
     ]
     env = dict(os.environ)
     env.update(

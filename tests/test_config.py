@@ -552,7 +552,9 @@ def test_finalize_derives_every_value_once_and_resolved_yaml_loads_back(moe, mod
     assert config.rollout.weight_sync == "auto" and config.train.global_batch_size is None  # a copy
     assert finalize(resolved) == resolved
     assert load_config(save_config(resolved, tmp_path / "resolved.yaml")) == resolved
-    sft = finalize(load_config(REPO / "configs" / "tiny_moe_cpu.yaml", [f"model.hf_checkpoint={moe}"]))
+    # a clean clone has no data/: name the data set
+    sft_overrides = [f"model.hf_checkpoint={moe}", f"data.prompt_data={mod_sum_data}"]
+    sft = finalize(load_config(REPO / "configs" / "tiny_moe_cpu.yaml", sft_overrides))
     assert sft.train.global_batch_size == 32 and sft.train.offload is None
 
 

@@ -56,6 +56,9 @@ def main() -> None:
     disaggregated = [
         "cluster.colocate=false", "cluster.rollout_gpus=1", "rollout.num_engines=1", "parallel.ep=1",
         "rollout.rollout_batch_size=8", "rollout.sampling.max_new_tokens=32", "rollout.max_concurrency=8",
+        # The demo's own 16 samples per prompt and padded micro-batches make training ~10x cheaper
+        # than this rollout; packed micro-batches and 8 samples keep the two of similar cost.
+        "rollout.n_samples_per_prompt=8", "train.max_tokens_per_gpu=4096",
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)

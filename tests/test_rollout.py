@@ -112,6 +112,31 @@ def check_sample(sample: Sample, tokenizer: Any, max_new_tokens: int) -> None:
     assert sample.weight_versions and all(v == sample.weight_versions[0] for v in sample.weight_versions)
 
 
+def test_prompts_are_tokenized_once_per_prompt(base_config, tokenizer, monkeypatch) -> None:
+    """The samples of a group share a prompt: `RolloutContext.prompt_ids` encodes it once and hands
+    each caller its own copy; the cache stays bounded."""
+    from slimrl.rollout import generate as generate_module
+
+    calls: list[str] = []
+    real = generate_module.render_prompt
+    monkeypatch.setattr(
+        generate_module,
+        "render_prompt",
+        lambda tok, prompt, chat: calls.append(prompt) or real(tok, prompt, chat),
+    )
+    monkeypatch.setattr(generate_module, "PROMPT_CACHE_SIZE", 2)
+    context = RolloutContext(base_config, tokenizer, client=None)  # type: ignore[arg-type]
+    first = [context.prompt_ids("3+4=") for _ in range(4)]
+    assert calls == ["3+4="] and all(
+        ids == tokenizer.encode("3+4=", add_special_tokens=False) for ids in first
+    )
+    first[0].append(99)  # a caller's copy, not the cache's
+    assert context.prompt_ids("3+4=") == first[1]
+    for prompt in ("1+1=", "2+2=", "3+4="):  # "3+4=" was evicted by the two newer prompts
+        context.prompt_ids(prompt)
+    assert calls == ["3+4=", "1+1=", "2+2=", "3+4="]
+
+
 def test_rollout_batch_shape_bookkeeping_and_toy_rewards(fleet, base_config, tokenizer) -> None:
     config = configure(base_config, rollout={"sampling.temperature": 1.0})
     result = rollout(fleet, config, tokenizer, DataSource(config))

@@ -546,7 +546,7 @@ def test_finalize_derives_every_value_once_and_resolved_yaml_loads_back(moe, mod
     assert (resolved.parallel.dp, resolved.parallel.etp, resolved.parallel.sequence_parallel) == (2, 1, False)
     assert resolved.rollout.weight_sync == "tensor" and resolved.rollout.over_sampling_batch_size == 64
     assert resolved.train.global_batch_size == 64 * 16 // 2  # samples per optimizer step
-    assert resolved.train.lr_schedule.decay_steps == 300 * 2 and resolved.train.offload is False
+    assert resolved.train.lr_schedule.decay_steps == 330 * 2 and resolved.train.offload is False
     assert resolved.algorithm.eps_clip_high == 0.2 and resolved.algorithm.loss_norm_tokens == 1
     assert resolved.checkpoint.save_dir == str(tmp_path / "tiny_moe_grpo" / "checkpoints")
     assert config.rollout.weight_sync == "auto" and config.train.global_batch_size is None  # a copy

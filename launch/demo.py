@@ -47,8 +47,9 @@ def first_reaching(rewards: list[float], target: float, window: int = 10) -> int
 
 if __name__ == "__main__":
     start = time.monotonic()
-    # A fresh run every time (the config's checkpoints would otherwise resume a finished run).
-    overrides = ["checkpoint.resume=false", *sys.argv[1:]]
+    # A fresh run every time: the config's checkpoints would otherwise resume a finished run, and
+    # an earlier demo's are replaced (once this run's first checkpoint is complete).
+    overrides = ["checkpoint.resume=false", "checkpoint.overwrite=true", *sys.argv[1:]]
     model = Path(setting(overrides, "model.hf_checkpoint"))
     data = Path(setting(overrides, "data.prompt_data"))
     if not model.exists():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,37 @@ class MegatronActor:
         return dict(zip(keys, packed.tolist(), strict=True))
 
     # ---------------------------------------------------------------- training
+    def optimizer_step(
+        self,
+        batch: TrainBatch,
+        loss_for: Callable[[int], Callable[[MicroBatch, Any], Any]],
+        state: TrainState | None = None,
+        with_labels: bool = True,
+    ) -> tuple[list[dict], bool, Any]:
+        """Zero the gradients, forward/backward over `batch` (with OOM recovery), one optimizer and
+        scheduler step, for the policy or another model's `state` (the critic). `loss_for(n)` is
+        the loss for an attempt cut into n micro-batches: its scale depends on the count, which an
+        OOM re-split changes. Returns the micro-batch reports, whether the update was applied and
+        the gradient norm."""
+        state = state or self.state
+        assert state is not None, "setup() first"
+
+        def run(micro_batches: list[MicroBatch]) -> list[dict]:
+            loss_fn = loss_for(len(micro_batches))
+            return self._forward_backward(
+                micro_batches, loss_fn, forward_only=False, with_labels=with_labels, model=state.model
+            )
+
+        for chunk in state.model:
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+        reports = self.with_oom_retry(run, batch, model=state.model)
+        ok, grad_norm, _ = state.optimizer.step()
+        if ok:
+            state.scheduler.step(increment=1)
+        return reports, ok, grad_norm
+
+    # ---------------------------------------------------------------- training
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch."""
         from megatron.core import parallel_state as mpu
@@ -242,22 +274,13 @@ class MegatronActor:
         assert self.state is not None, "setup() first"
         start = time.perf_counter()
 
-        def run(micro_batches: list[MicroBatch]) -> list[dict]:
-            dp = self.layout.dp * self.layout.cp
-            scale = losses.loss_scale(len(micro_batches), dp, batch.global_num_tokens)
+        dp = self.layout.dp * self.layout.cp
 
-            def loss_fn(mb: MicroBatch, output):
-                return losses.sft_loss(output, mb.loss_mask_BS, scale)
+        def loss_for(num_micro_batches: int):
+            scale = losses.loss_scale(num_micro_batches, dp, batch.global_num_tokens)
+            return lambda mb, output: losses.sft_loss(output, mb.loss_mask_BS, scale)
 
-            return self._forward_backward(micro_batches, loss_fn, forward_only=False)
-
-        for chunk in self._chunks:
-            chunk.zero_grad_buffer()
-        self.state.optimizer.zero_grad()
-        reports = self.with_oom_retry(run, batch)
-        ok, grad_norm, _ = self.state.optimizer.step()
-        if ok:
-            self.state.scheduler.step(increment=1)
+        reports, ok, grad_norm = self.optimizer_step(batch, loss_for)
         self.steps_done += 1
         metrics: dict[str, float] = {
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

@@ -24,6 +24,7 @@ import torch
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_train_state
 from slimrl.trainer.offload import Offloader
+from slimrl.trainer.rl import megatron_scaled
 
 if TYPE_CHECKING:
     from slimrl.config.schema import SlimConfig
@@ -118,9 +119,8 @@ class Critic:
         state, algo, clip = self.state, self.config.algorithm, self.config.critic.value_clip
         global_tokens = actor._sum_over_dp({"tokens": float(sum(sum(m) for m in batch.loss_masks))})["tokens"]
         advantages: dict[int, list[float]] = {}
-        megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
 
-        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+        def loss_fn(mb: MicroBatch, output: torch.Tensor, megatron_scale: int):
             values = output[..., 0].float()
             mask = mb.loss_mask_BS
             if fused:
@@ -142,21 +142,9 @@ class Critic:
             }
             return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
-        for chunk in state.model:
-            chunk.zero_grad_buffer()
-        state.optimizer.zero_grad()
-
-        def run(micro_batches: list[MicroBatch]) -> list[dict]:
-            nonlocal megatron_scale
-            megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
-            return actor._forward_backward(
-                micro_batches, loss_fn, forward_only=False, with_labels=False, model=state.model
-            )
-
-        reports = actor.with_oom_retry(run, batch, model=state.model)
-        ok, grad_norm, _ = state.optimizer.step()
-        if ok:
-            state.scheduler.step(increment=1)
+        reports, _, grad_norm = actor.optimizer_step(
+            batch, megatron_scaled(actor, loss_fn), state=state, with_labels=False
+        )
         metrics = {
             "train/critic_grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/critic_lr": state.optimizer.param_groups[0]["lr"],

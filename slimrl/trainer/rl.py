@@ -11,6 +11,7 @@ every loss is computed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -268,6 +269,18 @@ def rl_loss(
     return loss, report
 
 
+def megatron_scaled(actor: MegatronActor, loss_fn: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
+    """`loss_fn(mb, output, scale)` as `optimizer_step` wants it. Each micro-batch's loss is already
+    divided by the step's global normaliser; Megatron's schedule divides by the micro-batch count
+    and DDP averages over data-parallel (and context-parallel) ranks, which the scale undoes."""
+
+    def loss_for(num_micro_batches: int) -> Callable[..., Any]:
+        scale = num_micro_batches * actor.layout.dp * actor.layout.cp
+        return lambda mb, output: loss_fn(mb, output, scale)
+
+    return loss_for
+
+
 def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     """One optimizer step on `batch` with the configured policy loss."""
     algo = actor.config.algorithm
@@ -277,9 +290,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     norm_tokens = loss_normaliser_tokens(actor.config)
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
 
-    megatron_scale = 0  # set per attempt: micro-batch count x data-parallel size
-
-    def loss_fn(mb: MicroBatch, output: torch.Tensor):
+    def loss_fn(mb: MicroBatch, output: torch.Tensor, megatron_scale: int):
         logp, entropy = policy_logprobs(actor, mb, output, need_entropy)
         loss, report = rl_loss(
             algo,
@@ -294,19 +305,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         )
         return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
-    for chunk in state.model:
-        chunk.zero_grad_buffer()
-    state.optimizer.zero_grad()
-
-    def run(micro_batches: list[MicroBatch]) -> list[dict]:
-        nonlocal megatron_scale
-        megatron_scale = len(micro_batches) * actor.layout.dp * actor.layout.cp
-        return actor._forward_backward(micro_batches, loss_fn, forward_only=False, with_labels=False)
-
-    reports = actor.with_oom_retry(run, batch)
-    ok, grad_norm, _ = state.optimizer.step()
-    if ok:
-        state.scheduler.step(increment=1)
+    reports, _, grad_norm = actor.optimizer_step(batch, megatron_scaled(actor, loss_fn), with_labels=False)
     metrics = {
         "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "train/lr": state.optimizer.param_groups[0]["lr"],

@@ -69,3 +69,58 @@ def test_reused_segment_carries_each_bucket_to_sglang_and_is_exclusive() -> None
             with segment.borrow(16) as other:
                 assert other.data_ptr() != out.data_ptr()
     assert pointers[0] == pointers[1]
+
+
+_SGLANG_RANK_1 = """
+import datetime, sys
+import torch
+from sglang.srt.utils.common import init_custom_process_group
+port = int(sys.argv[1])
+group = init_custom_process_group(
+    backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout=datetime.timedelta(seconds=60),
+    world_size=2, rank=1, group_name="slimrl-bind-test",
+)
+buffer = torch.zeros(3)
+torch.distributed.broadcast(buffer, group=group, group_src=0)
+print(buffer.tolist())
+"""
+
+
+def test_group_store_listens_only_on_the_given_address_and_meets_sglang() -> None:
+    """SGLang's own `init_custom_process_group` (the referee) joins our rank-0 store, and while the
+    group is up this process listens on no wildcard address (torch's rendezvous would)."""
+    import subprocess
+    import sys
+
+    import psutil
+    import torch.distributed as dist
+
+    from slimrl.utils.net import free_port
+
+    port = free_port()
+    before = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+    joiner = subprocess.Popen(
+        [sys.executable, "-c", _SGLANG_RANK_1, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    group = wire.init_broadcast_group("127.0.0.1", port, 0, 2, "slimrl-bind-test", "gloo", 60)
+    listening = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"} - before
+    dist.broadcast(torch.tensor([1.0, 2.0, 3.0]), group=group, group_src=0)
+    out, _ = joiner.communicate(timeout=60)
+    dist.destroy_process_group(group)
+    assert joiner.returncode == 0 and out.strip() == "[1.0, 2.0, 3.0]"
+    assert ("127.0.0.1", port) in listening
+    assert all(addr.ip not in ("0.0.0.0", "::") for addr in listening), listening
+
+
+def test_joining_a_dead_address_gives_up_at_its_timeout() -> None:
+    """torch's TCP client alone retries for about twice its timeout (6 s for 3 s, measured)."""
+    import time
+
+    import pytest
+
+    from slimrl.utils.net import free_port
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no weight-update group store at 127\.0\.0\.1:\d+"):
+        wire.init_broadcast_group("127.0.0.1", free_port(), 1, 2, "slimrl-dead", "gloo", 2.0)
+    assert 2.0 <= time.monotonic() - start < 3.0

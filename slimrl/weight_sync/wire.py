@@ -23,7 +23,9 @@ import contextlib
 import datetime
 import io
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -247,20 +249,52 @@ def init_broadcast_group(
     timeout_s: float,
 ) -> Any:
     """Join the group an engine builds in `/init_weights_update_group` (same store-key chain as
-    SGLang's `init_custom_process_group`); rank 0 hosts the TCP store. Returns the process group."""
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
+    SGLang's `init_custom_process_group`); rank 0 hosts the TCP store. Returns the process group.
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = dist.PrefixStore(group_name, store)
+    The whole join is bounded by `timeout_s`, and rank 0's store listens on `master_address`
+    only (torch's own rendezvous listens on every interface, and a client retries its connect
+    for up to twice its timeout)."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    deadline = time.monotonic() + timeout_s
+    store = _group_store(master_address, master_port, rank, world_size, deadline)
+    store.set_timeout(_remaining(deadline))
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name,
-        backend_options=None, timeout=timeout,
+        world_size, rank, [], Backend(backend), dist.PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=_remaining(deadline),
     )  # fmt: skip
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _remaining(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1))
+
+
+def _group_store(address: str, port: int, rank: int, world_size: int, deadline: float) -> dist.TCPStore:
+    if rank == 0:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.create_server(sockaddr[:2], family=family, backlog=world_size + 16)
+        # The store owns the listening socket from here (detach: Python must not close it).
+        return dist.TCPStore(
+            address, port, world_size, True, _remaining(deadline),
+            wait_for_workers=False, master_listen_fd=listener.detach(),
+        )  # fmt: skip
+    _wait_until_listening(address, port, deadline)
+    return dist.TCPStore(address, port, world_size, False, _remaining(deadline))
+
+
+def _wait_until_listening(address: str, port: int, deadline: float) -> None:
+    """Connect attempts until the store answers or the deadline passes (torch's client alone
+    retries for up to twice its timeout against an address nobody listens on)."""
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no weight-update group store at {address}:{port}: {exc}") from None
+            time.sleep(0.2)
 
 
 def pack_for_broadcast(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -625,7 +625,7 @@ class EmbeddedServer:
                     address, port, rank_offset, world_size, name, self.args.group_timeout_s
                 )
             )
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, OSError) as exc:  # OSError: TimeoutError at a dead address
             raise HttpError(400, f"cannot join weight update group `{name}`: {exc}") from None
         self._groups[name] = group
         return _ok("Succeeded to initialize custom process group.")

@@ -204,6 +204,21 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
         (["algorithm.tis_level=geometric"], "algorithm.tis_level=geometric: not one of token, sequence"),
         (["algorithm.grpo_std=sample"], "algorithm.grpo_std=sample: not one of unbiased, population"),
         (["algorithm.advantage_estimator=dr_grpo"], "algorithm.advantage_estimator=dr_grpo: not one of grpo"),
+        (
+            ["train.num_steps=10", "train.lr_schedule.decay_style=cosine", "train.lr_schedule.warmup_steps=10"],
+            "train.lr_schedule.warmup_steps=10: must be below the run's optimizer steps (10) for "
+            "decay_style=cosine",
+        ),
+        (
+            ["train.lr_schedule.decay_style=linear", "train.lr_schedule.decay_steps=5",
+             "train.lr_schedule.warmup_steps=8"],
+            "train.lr_schedule.warmup_steps=8: must be below train.lr_schedule.decay_steps (5)",
+        ),
+        (
+            ["data.max_prompt_tokens=100", "rollout.sampling.max_new_tokens=64", "train.max_seq_len=128"],
+            "train.max_seq_len=128: below data.max_prompt_tokens=100 + rollout.sampling.max_new_tokens=64; "
+            "raise it to at least 164",
+        ),
     ],
     ids=lambda v: v[-1] if isinstance(v, list) else None,
 )

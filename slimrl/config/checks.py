@@ -549,10 +549,39 @@ def _check_training(config: SlimConfig) -> None:
             "train.optimizer.cpu_offload=true: needs parallel.use_distributed_optimizer=true (Megatron's "
             "CPU offload runs on the precision-aware distributed optimizer)"
         )
+    _check_lr_schedule(config)
+    _check_sequence_length(config)
     if config.model.ref_load is not None and not _needs_reference(config):
         raise ConfigError(
             f"model.ref_load={config.model.ref_load}: the reference model is used only by a KL term "
             "(algorithm.kl_loss_coef or algorithm.kl_coef > 0, RL); set one or remove model.ref_load"
+        )
+
+
+def _check_lr_schedule(config: SlimConfig) -> None:
+    """Megatron's scheduler needs warm-up to end before decay does; it is never adjusted silently."""
+    schedule, train = config.train.lr_schedule, config.train
+    if schedule.decay_style == "constant" or schedule.warmup_steps == 0:
+        return
+    per_step = 1 if config.algorithm.loss == "sft" else train.steps_per_rollout
+    decay = schedule.decay_steps or train.num_steps * per_step
+    if schedule.warmup_steps >= decay:
+        source = "train.lr_schedule.decay_steps" if schedule.decay_steps else "the run's optimizer steps"
+        raise ConfigError(
+            f"train.lr_schedule.warmup_steps={schedule.warmup_steps}: must be below {source} ({decay}) "
+            f"for decay_style={schedule.decay_style}; shorten the warm-up or use decay_style=constant"
+        )
+
+
+def _check_sequence_length(config: SlimConfig) -> None:
+    """The longest sequence a rollout can make fits `train.max_seq_len` (RL; checked per sample too)."""
+    prompt, response = config.data.max_prompt_tokens, config.rollout.sampling.max_new_tokens
+    if config.algorithm.loss == "sft" or prompt is None:
+        return
+    if prompt + response > config.train.max_seq_len:
+        raise ConfigError(
+            f"train.max_seq_len={config.train.max_seq_len}: below data.max_prompt_tokens={prompt} + "
+            f"rollout.sampling.max_new_tokens={response}; raise it to at least {prompt + response}"
         )
 
 

@@ -266,22 +266,9 @@ def reinforce_plus_plus_returns(
     response (tool output in multi-turn samples) are environment tokens, not actions, so they neither
     receive a return nor add a discount step, and any reward placed on them is ignored.
     """
-    # G_t = r_t + gamma * G_next(t), next(t) = next masked position of the same sequence, G after last = 0
-    mask = _effective_mask(mask_BS, seq_index_BS)
-    segments = _segment_ids(seq_index_BS, mask)
-    with torch.no_grad():
-        rows, length = mask.shape
-        running = token_rewards_BS.new_zeros(rows)
-        current = torch.full((rows,), -1, dtype=segments.dtype, device=segments.device)
-        columns: list[torch.Tensor] = []
-        for t in reversed(range(length)):
-            active = mask[:, t] > 0
-            carried = torch.where(segments[:, t] == current, running, torch.zeros_like(running))
-            value = token_rewards_BS[:, t] + gamma * carried
-            running = torch.where(active, value, running)
-            current = torch.where(active, segments[:, t], current)
-            columns.append(torch.where(active, value, torch.zeros_like(value)))
-        return torch.stack(columns[::-1], dim=1)
+    # G_t = r_t + gamma * G_next(t): GAE's advantage with V = 0 and lambda = 1 (one implementation).
+    zeros = torch.zeros_like(token_rewards_BS)
+    return gae_vectorised(token_rewards_BS, zeros, mask_BS, gamma, 1.0, seq_index_BS)[0]
 
 
 def gae(

@@ -46,33 +46,13 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from bench_trainer import make_batch
+    from bench_trainer import make_batch, tiny_actor
 
-    from slimrl.config import load_config
-    from slimrl.data.tiny_models import make_tiny
     from slimrl.trainer import ppo
-    from slimrl.trainer.actor import MegatronActor
-    from slimrl.trainer.distributed import RankInfo
-    from slimrl.utils.net import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "qwen3_moe"
-        make_tiny("qwen3_moe", model, seed=0)
-        config = load_config(
-            None,
-            [
-                f"model.hf_checkpoint={model}",
-                "cluster.gpus_per_node=1",
-                f"train.max_tokens_per_gpu={args.budget}",
-                "train.optimizer.lr=1e-5",
-                "algorithm.advantage_estimator=ppo",
-                "critic.lr=1e-5",
-            ],
-        )
-        actor = MegatronActor(
-            config, RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
-        )
-        actor.setup(total_steps=1000)
+        actor = tiny_actor(tmp, args.budget, "algorithm.advantage_estimator=ppo", "critic.lr=1e-5")
+        config = actor.config
         critic = actor.critic
         assert critic is not None
         base = make_batch(actor.arch.vocab_size, args.samples)

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,10 +38,23 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def tiny_actor(tmp: str, budget: int, *overrides: str):
+    """A one-rank Megatron actor on a fresh tiny Qwen3-MoE (fixed seed), set up for 1000 steps."""
+    from slimrl.config import load_config
+    from slimrl.data.tiny_models import make_tiny
+    from slimrl.trainer.actor import MegatronActor
+    from slimrl.trainer.distributed import RankInfo
+    from slimrl.utils.net import free_port
+
+    model = Path(tmp) / "qwen3_moe"
+    make_tiny("qwen3_moe", model, seed=0)
+    base = [f"model.hf_checkpoint={model}", "cluster.gpus_per_node=1", f"train.max_tokens_per_gpu={budget}"]
+    config = load_config(None, [*base, "train.optimizer.lr=1e-5", *overrides])
+    actor = MegatronActor(
+        config, RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    )
+    actor.setup(total_steps=1000)
+    return actor
 
 
 def make_batch(vocab: int, samples: int, seed: int = 0):
@@ -87,28 +99,11 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from slimrl.config import load_config
-    from slimrl.data.tiny_models import make_tiny
     from slimrl.trainer import rl as rl_module
-    from slimrl.trainer.actor import MegatronActor
-    from slimrl.trainer.distributed import RankInfo
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "qwen3_moe"
-        make_tiny("qwen3_moe", model, seed=0)
-        config = load_config(
-            None,
-            [
-                f"model.hf_checkpoint={model}",
-                "cluster.gpus_per_node=1",
-                f"train.max_tokens_per_gpu={args.budget}",
-                "train.optimizer.lr=1e-5",
-            ],
-        )
-        actor = MegatronActor(
-            config, RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
-        )
-        actor.setup(total_steps=1000)
+        actor = tiny_actor(tmp, args.budget)
+        config = actor.config
         batch = make_batch(actor.arch.vocab_size, args.samples)
         rollout = actor.response_logprobs(batch)
         batch.per_token["rollout_log_probs"] = [rollout[i] for i in range(len(batch))]

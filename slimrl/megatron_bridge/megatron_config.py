@@ -25,6 +25,8 @@ class BuildOptions:
     deterministic: bool = False
     init_weights: bool = True
     """False skips Megatron's random initialisation (weights are loaded right after)."""
+    routing_replay: bool = False
+    """MoE routers replay given experts (`moe_enable_routing_replay`, `trainer/routing_replay.py`)."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -128,6 +130,7 @@ def transformer_config_kwargs(
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=options.use_te,
             moe_permute_fusion=False,
+            moe_enable_routing_replay=options.routing_replay,
         )
     if options.fp8_recipe is not None:
         kwargs.update(fp8="e4m3", fp8_recipe=options.fp8_recipe)

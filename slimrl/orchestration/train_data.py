@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from slimrl.errors import SlimError
 from slimrl.sample import Sample
 from slimrl.trainer.batch import TrainBatch
 
 
 def split_for_dp(
-    samples: list[Sample], dp_size: int, per_token: dict[str, list[list[float]]] | None = None
+    samples: list[Sample],
+    dp_size: int,
+    per_token: dict[str, list[list[float]]] | None = None,
+    routing: bool = False,
 ) -> list[TrainBatch]:
     """Equal sample counts per rank (every rank runs the same number of micro-batches, which
-    expert-parallel all-to-alls need), balancing token counts greedily, longest first."""
+    expert-parallel all-to-alls need), balancing token counts greedily, longest first. With
+    `routing` each sequence carries the engine's routed experts (MoE routing replay)."""
     if len(samples) % dp_size:
         raise SlimError(f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel ranks")
     per_rank = len(samples) // dp_size
@@ -32,6 +38,17 @@ def split_for_dp(
             per_token={key: [values[i] for i in idx] for key, values in extra.items()},
             global_num_tokens=global_tokens,
             global_num_seqs=len(samples),
+            routed_experts=[_routing(samples[i]) for i in idx] if routing else None,
+            sample_indices=[samples[i].index for i in idx],
         )
         for idx in members
     ]
+
+
+def _routing(sample: Sample) -> np.ndarray:
+    if sample.rollout_routed_experts is None:
+        raise SlimError(
+            f"sample {sample.index}: algorithm.routing_replay=true but the engine returned no routed "
+            f"experts (SGLang needs --enable-return-routed-experts)"
+        )
+    return np.asarray(sample.rollout_routed_experts)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from slimrl.trainer.offload import Offloader
 from slimrl.trainer.parallel import ParallelLayout
 from slimrl.trainer.weight_store import WeightStore
 
+if TYPE_CHECKING:
+    from slimrl.trainer.routing_replay import RoutingReplay
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,6 +56,8 @@ class MegatronActor:
         self.offloader: Offloader | None = None
         self.critic: Critic | None = None
         """The PPO value model on the same ranks (`advantage_estimator: ppo` only)."""
+        self.routing: RoutingReplay | None = None
+        """MoE routing replay of the policy (`algorithm.routing_replay` only)."""
         self.steps_done = 0
         self.oom_retries = 0
 
@@ -71,6 +76,12 @@ class MegatronActor:
 
             load_model(chunks, Path(self.config.model.load))
         num_frozen = freeze(chunks, self.config.train.frozen_params)
+        if options.routing_replay:
+            from slimrl.trainer.routing_replay import RoutingReplay
+
+            if self.layout.cp > 1:
+                raise SlimError("algorithm.routing_replay=true needs parallel.cp=1 (context parallel: no)")
+            self.routing = RoutingReplay(chunks, self.arch, self.layout.sequence_parallel)
         self.state = build_train_state(self.config, chunks, options, total_steps)
         self.weights = WeightStore(self.state.model)
         algo = self.config.algorithm
@@ -203,26 +214,38 @@ class MegatronActor:
 
         chunks = model or self._chunks
         inject = self.config.train.inject_oom_above_tokens
+        # The critic routes on its own; a disabled replay lets the policy's routers choose too.
+        routing = self.routing
+        replay = routing if chunks is self._chunks and routing is not None and routing.enabled else None
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if inject is not None and mb.num_tokens > inject:
                 raise torch.OutOfMemoryError(f"injected: micro-batch of {mb.num_tokens} tokens")
+            if replay is not None:
+                replay.set_targets(model, mb)
             labels = mb.labels_BS if with_labels else None
             output = model(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
             return output, partial(loss_fn, mb)
 
         iterators = [iter(micro_batches) for _ in chunks]
         longest = max(mb.tokens_BS.shape[1] for mb in micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=chunks,
-            num_microbatches=len(micro_batches),
-            seq_length=longest,
-            micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
-            forward_only=forward_only,
-        )
+        if replay is not None:
+            assert self.options is not None
+            replay.start(recompute_in_backward=not forward_only and self.options.recompute == "full")
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=longest,
+                micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if replay is not None:
+                replay.finish()
 
     def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
         import torch.distributed as dist

@@ -1,6 +1,7 @@
 """What a training rank receives (`TrainBatch`) and how it is cut into micro-batches.
 
-Tensor names carry shape suffixes: B = sequences in the micro-batch, S = padded sequence length.
+Tensor names carry shape suffixes: B = sequences in the micro-batch, S = padded sequence length,
+L = MoE layers, K = experts per token (top-k).
 Per-token arrays are aligned with the *labels*: position t holds what is needed to score
 token t+1 (the logits at t predict it), so a response token at absolute position p lives at p-1.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from slimrl.errors import SlimError
@@ -30,10 +32,17 @@ class TrainBatch:
     """Sequences of the whole optimizer step over all DP ranks (the seq-mean divisor)."""
     ids: list[int] = field(default_factory=list)
     """Position of each sequence in the batch it was selected from (filled by `select`)."""
+    routed_experts: list[np.ndarray] | None = None
+    """MoE routing replay: per sequence the engine's expert ids, `(len(tokens) - 1, L, K)`, row i
+    for input token i (`Sample.rollout_routed_experts`); None without replay."""
+    sample_indices: list[int] = field(default_factory=list)
+    """`Sample.index` of each sequence, to name it in messages (defaults to its position)."""
 
     def __post_init__(self) -> None:
         if not self.ids:
             self.ids = list(range(len(self.tokens)))
+        if not self.sample_indices:
+            self.sample_indices = list(self.ids)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,6 +56,8 @@ class TrainBatch:
             global_num_tokens=self.global_num_tokens,
             global_num_seqs=self.global_num_seqs,
             ids=[self.ids[i] for i in indices],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
+            sample_indices=[self.sample_indices[i] for i in indices],
         )
 
 
@@ -66,6 +77,9 @@ class MicroBatch:
     """Rank-batch index of each sequence of the micro-batch."""
     attention_mask: torch.Tensor | None = None
     """Packed rows only: [1, 1, S, S] boolean, True where attention is forbidden."""
+    routed_experts_BSLK: torch.Tensor | None = None
+    """Routing replay: the engine's experts for each input position; positions without a routing
+    (padding, a sequence's last token) hold experts 0..K-1, whose output reaches no logprob."""
 
     @property
     def num_seqs(self) -> int:
@@ -170,7 +184,29 @@ def _empty(rows: int, length: int, keys: list[str], pad_id: int) -> dict[str, to
     return t
 
 
-def _micro_batch(batch: TrainBatch, t: dict[str, torch.Tensor], mask: torch.Tensor | None) -> MicroBatch:
+def _routing(
+    batch: TrainBatch, placements: list[tuple[int, int, int]], rows: int, length: int
+) -> torch.Tensor | None:
+    """[rows, length, L, K] expert ids laid out like the tokens (see `MicroBatch.routed_experts_BSLK`)."""
+    if batch.routed_experts is None:
+        return None
+    first = np.asarray(batch.routed_experts[0])
+    num_layers, top_k = first.shape[1:]
+    out = np.empty((rows, length, num_layers, top_k), dtype=first.dtype)
+    out[...] = np.arange(top_k, dtype=first.dtype)  # distinct valid ids for unrouted positions
+    for j, offset, row in placements:
+        routed = np.asarray(batch.routed_experts[j])
+        out[row, offset : offset + len(routed)] = routed
+    # torch has no general uint16/32 ops: ids above 255 travel as int32.
+    return torch.from_numpy(out if out.dtype == np.uint8 else out.astype(np.int32))
+
+
+def _micro_batch(
+    batch: TrainBatch,
+    t: dict[str, torch.Tensor],
+    mask: torch.Tensor | None,
+    routing: torch.Tensor | None = None,
+) -> MicroBatch:
     return MicroBatch(
         tokens_BS=t["tokens"],
         position_ids_BS=t["positions"],
@@ -181,6 +217,7 @@ def _micro_batch(batch: TrainBatch, t: dict[str, torch.Tensor], mask: torch.Tens
         seq_index_BS=t["seq_index"],
         sample_ids=list(batch.ids),
         attention_mask=mask,
+        routed_experts_BSLK=routing,
     )
 
 
@@ -191,9 +228,11 @@ def collate(
     beyond the batch's sequences (`min_rows`) are all padding, with no loss and no sequence."""
     longest = max(max(len(t) for t in batch.tokens), min_length)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
-    t = _empty(max(len(batch), min_rows), length, list(batch.per_token), pad_id)
-    _fill_rows(batch, [(row, 0, row) for row in range(len(batch))], t)
-    return _micro_batch(batch, t, None)
+    rows = max(len(batch), min_rows)
+    t = _empty(rows, length, list(batch.per_token), pad_id)
+    placements = [(row, 0, row) for row in range(len(batch))]
+    _fill_rows(batch, placements, t)
+    return _micro_batch(batch, t, None, _routing(batch, placements, rows, length))
 
 
 def collate_packed(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1) -> MicroBatch:
@@ -207,13 +246,15 @@ def collate_packed(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1)
     for seq in batch.tokens:
         offsets.append(offset)
         offset += len(seq)
-    _fill_rows(batch, [(j, offset, 0) for j, offset in enumerate(offsets)], t)
+    placements = [(j, offset, 0) for j, offset in enumerate(offsets)]
+    _fill_rows(batch, placements, t)
     segment = t["seq_index"][0]
     same = segment.unsqueeze(0) == segment.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     allowed = same & causal & (segment >= 0).unsqueeze(1)
     allowed |= torch.eye(length, dtype=torch.bool)  # padding rows attend to themselves (no NaN)
-    return _micro_batch(batch, t, (~allowed).view(1, 1, length, length))
+    routing = _routing(batch, placements, 1, length)
+    return _micro_batch(batch, t, (~allowed).view(1, 1, length, length), routing)
 
 
 def split_fixed(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
@@ -260,5 +301,7 @@ def pad_micro_batch_count(parts: list[TrainBatch], count: int) -> list[TrainBatc
         global_num_tokens=shortest.global_num_tokens,
         global_num_seqs=shortest.global_num_seqs,
         ids=[-1],
+        routed_experts=shortest.routed_experts,
+        sample_indices=[-1],
     )
     return parts + [filler] * (count - len(parts))

@@ -69,6 +69,8 @@ class Critic:
         total_steps: int,
     ) -> Critic:
         settings = config.critic
+        # The engine's routing was chosen by the policy's routers, not the critic's: no replay.
+        options = dataclasses.replace(options, routing_replay=False)
         chunks = build_gpt_chunks(arch, layout, options, config.train.max_seq_len, value_head=True)
         if settings.load:
             from slimrl.megatron_bridge.dist_ckpt import load_model

@@ -57,6 +57,7 @@ def policy_logprobs(
 
 def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: bool = False) -> dict[str, Any]:
     """Forward-only pass: per-sample response-token logprobs (and entropy) on the last stage."""
+    check_routing(actor, batch)
     captured: dict[int, list[float]] = {}
     entropies: dict[int, list[float]] = {}
 
@@ -87,25 +88,79 @@ def _dp_sum(actor: MegatronActor, values: dict[str, float]) -> dict[str, float]:
     return actor._sum_over_dp(values) if values else {}
 
 
+def check_routing(actor: MegatronActor, batch: TrainBatch) -> None:
+    """With routing replay, every sequence must carry the engine's routing for this model."""
+    if actor.routing is not None:
+        from slimrl.trainer.routing_replay import check_routing as check
+
+        check(batch, actor.arch)
+
+
 def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
-    """Logprob passes and advantages, before any optimizer step of this rollout."""
+    """Logprob passes and advantages, before any optimizer step of this rollout.
+
+    Under routing replay the reference model replays the engine's routing too: the KL term then
+    compares the two models' outputs through the same experts (exactly 0 while their weights are
+    equal), not top-k flips between two routers.
+    """
     algo = actor.config.algorithm
     metrics: dict[str, float] = {}
     start = time.perf_counter()
+    check_routing(actor, batch)
     needs_ref = algo.kl_loss_coef > 0 or algo.kl_coef > 0
     if needs_ref:
         with actor.weights.swapped_in("ref"):
             _attach(batch, REF_LOGP, response_logprobs(actor, batch)["logprobs"])
+    if actor.routing is not None:  # count disagreement in the first forward under these weights
+        actor.routing.measure_next = True
     if algo.use_rollout_logprobs:
         batch.per_token[OLD_LOGP] = [list(v) for v in batch.per_token[ROLLOUT_LOGP]]
     elif not fused_old_logprobs(actor.config):
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
+        metrics.update(routing_disagreement(actor))
+    if actor.routing is not None and routing_counterfactual(actor.config):
+        metrics.update(_counterfactual(actor, batch))
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
     if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
         _token_level_advantages(actor, batch)  # ppo: GAE on the critic's values (`ppo.py`)
     if _last_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
+
+
+def routing_counterfactual(config: SlimConfig) -> bool:
+    """`algorithm.routing_replay_counterfactual`: also score the batch without replay (diagnosis)."""
+    # TODO(trainer): plain attribute once the schema declares it (the config slice's file).
+    return bool(getattr(config.algorithm, "routing_replay_counterfactual", False))
+
+
+def routing_disagreement(actor: MegatronActor) -> dict[str, float]:
+    """`train/routing_disagreement`: the fraction of (input token, MoE layer) pairs of the measured
+    pass whose engine top-k set differs from the trainer's own, over all ranks. A collective."""
+    if actor.routing is None or not actor.routing.measure_next:
+        return {}
+    import torch.distributed as dist
+
+    counts = actor.routing.take_disagreement()
+    summed = torch.tensor([counts.disagree, counts.counted], dtype=torch.float64)
+    dist.all_reduce(summed)  # tokens are split over DP and TP (SP), layers over PP: each counted once
+    return {"train/routing_disagreement": float(summed[0] / summed[1].clamp(min=1.0))}
+
+
+def _counterfactual(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """The train/rollout mismatch had the routers chosen for themselves (an extra forward)."""
+    assert actor.routing is not None
+    actor.routing.enabled = False
+    try:
+        free = response_logprobs(actor, batch)["logprobs"]
+    finally:
+        actor.routing.enabled = True
+    if not _last_stage() or ROLLOUT_LOGP not in batch.per_token:
+        return {}
+    scored = batch.select(list(range(len(batch))))
+    _attach(scored, OLD_LOGP, free)
+    scored.per_token[ROLLOUT_LOGP] = batch.per_token[ROLLOUT_LOGP]
+    return {f"{k}_no_replay": v for k, v in _mismatch(actor, scored).items()}
 
 
 def fused_old_logprobs(config: SlimConfig) -> bool:
@@ -137,7 +192,38 @@ def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
     sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
     reduced = _dp_sum(actor, {k: float(v) for k, v in sums.items()})
-    return alg.mismatch_metrics({k: torch.tensor(v, dtype=torch.float64) for k, v in reduced.items()})
+    metrics = alg.mismatch_metrics({k: torch.tensor(v, dtype=torch.float64) for k, v in reduced.items()})
+    return metrics | _mismatch_spread(actor, (train_lp - rollout_lp).abs()[mask > 0])
+
+
+def _mismatch_spread(actor: MegatronActor, abs_diff: torch.Tensor) -> dict[str, float]:
+    """Max |logp_train - logp_rollout| and the median probability ratio exp(|diff|) over the step's
+    loss tokens on all DP ranks (a median needs them all: they are gathered)."""
+    values = _gather_over_dp(actor, abs_diff.double().reshape(-1))
+    if not values.numel():
+        return {}
+    return {
+        "train/train_rollout_logprob_abs_diff_max": float(values.max()),
+        "train/train_rollout_prob_ratio_median": float(values.exp().quantile(0.5)),
+    }
+
+
+def _gather_over_dp(actor: MegatronActor, values: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return values
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+    dist.all_gather(counts, torch.tensor([values.numel()]), group=group)
+    longest = max(int(c) for c in counts)
+    padded = torch.zeros(longest, dtype=values.dtype)
+    padded[: values.numel()] = values
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[: int(c)] for part, c in zip(parts, counts, strict=True)])
 
 
 def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
@@ -289,9 +375,16 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     global_counts = _dp_sum(actor, step_counts(batch.loss_masks))
     norm_tokens = loss_normaliser_tokens(actor.config)
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
+    measured = actor.routing is not None and actor.routing.measure_next
+    fused_diffs: dict[int, list[float]] = {}
+    """|old - rollout| per loss token when old logprobs are fused, by sample (a retry overwrites)."""
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor, megatron_scale: int):
         logp, entropy = policy_logprobs(actor, mb, output, need_entropy)
+        rollout_lp = mb.per_token_BS.get(ROLLOUT_LOGP)
+        if OLD_LOGP not in mb.per_token_BS and rollout_lp is not None:
+            diff = torch.where(mb.loss_mask_BS > 0, (logp.detach() - rollout_lp).abs(), float("nan"))
+            fused_diffs.update(mb.per_sequence(diff))
         loss, report = rl_loss(
             algo,
             logp,
@@ -311,6 +404,8 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         "train/lr": state.optimizer.param_groups[0]["lr"],
         "train/oom_retries": float(actor.oom_retries),
     }
+    if measured:
+        metrics.update(routing_disagreement(actor))
     if _last_stage():
         keys = sorted({k for r in reports for k in r})
         summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
@@ -321,6 +416,8 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         }
         if mismatch:
             metrics.update(alg.mismatch_metrics(mismatch))
+            diffs = [v for values in fused_diffs.values() for v in values if v == v]  # v == v: not nan
+            metrics.update(_mismatch_spread(actor, torch.tensor(diffs, dtype=torch.float64)))
         tokens = max(summed.pop("tokens", 0.0), 1.0)
         for key, value in summed.items():
             if key.endswith("_sum"):
@@ -345,7 +442,8 @@ def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         indices = list(range(step * per_step, min((step + 1) * per_step, len(batch))))
         if indices:
             step_metrics.append(policy_step(actor, batch.select(indices)))
-    for key in step_metrics[0]:
-        metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+    for key in {k for m in step_metrics for k in m}:  # the routing disagreement is the first step's
+        values = [m[key] for m in step_metrics if key in m]
+        metrics[key] = sum(values) / len(values)
     metrics["perf/train_seconds"] = time.perf_counter() - start
     return metrics

@@ -1,0 +1,91 @@
+"""torchrun worker for MoE routing replay: score and train a fixed batch under given routings.
+
+Usage: torchrun --nproc-per-node N tests/dist/replay_worker.py OUT_DIR DATA key=value ...
+DATA (torch.save) holds `tokens`, `response_lengths`, `rollout_log_probs` and routings by name
+(`own`, `permuted`: per sequence `(len - 1, layers, top_k)` uint8). Each rank writes
+OUT_DIR/rank<k>.json: per routing the replayed response logprobs (`replay/<name>`), the
+disagreement of a scoring pass, the logprobs without replay (`free`), and the metrics of one RL
+step on the `permuted` routing (reference model replaying too, through the KL loss).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slimrl.config import load_config
+from slimrl.trainer import rl
+from slimrl.trainer.actor import MegatronActor
+from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.distributed import RankInfo, destroy_distributed
+
+
+def rank_batch(data: dict, routing: str, dp: int, dp_rank: int) -> TrainBatch:
+    count = len(data["tokens"])
+    mine = list(range(dp_rank, count, dp))
+    responses = data["response_lengths"]
+    return TrainBatch(
+        tokens=[data["tokens"][i] for i in mine],
+        response_lengths=[responses[i] for i in mine],
+        loss_masks=[[1] * responses[i] for i in mine],
+        per_token={
+            "advantages": [[1.0 if i % 2 == 0 else -1.0] * responses[i] for i in mine],
+            "rollout_log_probs": [data["rollout_log_probs"][i] for i in mine],
+        },
+        global_num_tokens=sum(responses),
+        global_num_seqs=count,
+        routed_experts=[np.asarray(data[routing][i]) for i in mine],
+        sample_indices=mine,
+    )
+
+
+def by_sample(batch: TrainBatch, logprobs: dict[int, list[float]]) -> dict[str, list[float]]:
+    return {str(batch.sample_indices[k]): v for k, v in logprobs.items()}
+
+
+def _load(overrides: list[str]):
+    """TEMPORARY until the schema declares algorithm.routing_replay."""
+    import dataclasses
+
+    from slimrl.config.schema import AlgorithmConfig
+
+    if "routing_replay" in {f.name for f in dataclasses.fields(AlgorithmConfig)}:
+        return load_config(None, overrides)
+    config = load_config(None, [o for o in overrides if not o.startswith("algorithm.routing_replay")])
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class WithReplay(AlgorithmConfig):
+        routing_replay: bool = True
+
+    values = {f.name: getattr(config.algorithm, f.name) for f in dataclasses.fields(AlgorithmConfig)}
+    config.algorithm = WithReplay(**values)
+    return config
+
+
+def main() -> None:
+    out_dir, data_path = Path(sys.argv[1]), sys.argv[2]
+    config = _load(sys.argv[3:])
+    info = RankInfo.from_env()
+    actor = MegatronActor(config, info)
+    actor.setup(total_steps=2)
+    assert actor.routing is not None
+    dp, dp_rank = actor.layout.dp, actor.coordinates()["dp"]
+    data = torch.load(data_path, weights_only=False)
+    result: dict = {"coords": actor.coordinates()}
+    for routing in ("own", "permuted"):
+        batch = rank_batch(data, routing, dp, dp_rank)
+        actor.routing.measure_next = True
+        result[f"replay/{routing}"] = by_sample(batch, actor.response_logprobs(batch))
+        result[f"disagreement/{routing}"] = rl.routing_disagreement(actor)["train/routing_disagreement"]
+    actor.routing.enabled = False
+    result["free"] = by_sample(batch, actor.response_logprobs(batch))
+    actor.routing.enabled = True
+    result["metrics"] = actor.train_rl(rank_batch(data, "permuted", dp, dp_rank))
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""MoE routing replay (R3) in the trainer, with the Hugging Face model as referee.
+
+The HF model's router is observed and overridden where it picks its experts (`torch.topk` inside
+`Qwen3MoeTopKRouter`); everything else in its forward is its own. Under every layout, Megatron with
+replay of (a) the routing the model chooses itself gives the logprobs it gives without replay, and
+of (b) a different routing (each engine expert e replaced by e + 1 mod E) the HF logprobs under
+that same forced routing; (c) packed micro-batches give what one sequence at a time gives; (d) a
+routing of the wrong shape is one line naming the sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from slimrl.errors import SlimError
+from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.orchestration.train_data import split_for_dp
+from slimrl.sample import Sample
+from slimrl.trainer.batch import TrainBatch, collate, collate_packed
+from slimrl.trainer.routing_replay import check_routing, valid_positions
+from tests.conftest import REPO, run_torchrun
+
+WORKER = REPO / "tests" / "dist" / "replay_worker.py"
+
+
+@contextlib.contextmanager
+def hf_router_topk(forced: np.ndarray | None, seen: list[torch.Tensor]) -> Iterator[None]:
+    """While active, the l-th `torch.topk` call of a forward (layer l's router) records its own
+    choice into `seen` and, with `forced` `(tokens, layers, k)`, returns those experts instead."""
+    real = torch.topk
+
+    def topk(values: torch.Tensor, k: int, dim: int = -1, **kwargs):
+        own = real(values, k, dim=dim, **kwargs)
+        layer = len(seen)
+        seen.append(own.indices)
+        if forced is None:
+            return own
+        rows = values.shape[0]
+        index = torch.from_numpy(forced[:rows, layer].astype(np.int64))
+        index = torch.cat([index, own.indices[len(index) :]])  # the last token has no routing
+        return torch.return_types.topk((values.gather(1, index), index))
+
+    torch.topk = topk
+    try:
+        yield
+    finally:
+        torch.topk = real
+
+
+def hf_score(model, tokens: list[int], response: int, forced: np.ndarray | None = None):
+    """Response logprobs and the router's own routing `(len - 1, layers, k)` of one sequence."""
+    seen: list[torch.Tensor] = []
+    with torch.no_grad(), hf_router_topk(forced, seen):
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:]).unsqueeze(1))[:, 0]
+    routing = torch.stack(seen, dim=1)[:-1].numpy().astype(np.uint8)
+    return logprobs[-response:].tolist(), routing
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model, tmp_path_factory):
+    """Per model depth: the batch, its routings and the HF logprobs under the forced routing."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for layers in (2, 4):
+        path = tiny_model("qwen3_moe", num_hidden_layers=layers) if layers != 2 else tiny_model("qwen3_moe")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        experts = model.config.num_experts
+        rng = random.Random(layers)
+        tokens = [
+            [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randrange(10, 30))]
+            for _ in range(6)
+        ]
+        responses = [rng.randrange(3, len(t) - 2) for t in tokens]
+        own = [hf_score(model, t, r)[1] for t, r in zip(tokens, responses, strict=True)]
+        permuted = [((r.astype(np.int64) + 1) % experts).astype(np.uint8) for r in own]
+        scored = [hf_score(model, t, r, p) for t, r, p in zip(tokens, responses, permuted, strict=True)]
+        forced = [logprobs for logprobs, _ in scored]
+        # Under the forced routing, later layers see other inputs: their own choice may match it.
+        differs = [
+            (np.sort(chosen, axis=-1) != np.sort(p, axis=-1)).any(axis=-1)
+            for (_, chosen), p in zip(scored, permuted, strict=True)
+        ]
+        disagreement = float(np.concatenate([d.reshape(-1) for d in differs]).mean())
+        data = {
+            "tokens": tokens,
+            "response_lengths": responses,
+            "rollout_log_probs": forced,
+            "own": own,
+            "permuted": permuted,
+        }
+        data_path = tmp_path_factory.mktemp("replay") / f"data{layers}.pt"
+        torch.save(data, data_path)
+        out[layers] = (path, data_path, forced, disagreement)
+    return out
+
+
+def run_layout(tmp_path, cases, nproc: int, overrides: list[str], layers: int = 2):
+    path, data_path, forced, disagreement = cases[layers]
+    args = [
+        str(data_path),
+        f"model.hf_checkpoint={path}",
+        f"cluster.gpus_per_node={nproc}",
+        "algorithm.routing_replay=true",
+        "algorithm.kl_loss_coef=0.1",
+        "train.optimizer.lr=1e-3",
+        *overrides,
+    ]
+    results = run_torchrun(WORKER, nproc, args, tmp_path / "run")
+    last = [r for r in results if r["replay/own"]]  # logprobs live on the last pipeline stage
+    merged = {
+        key: {k: v for r in last for k, v in r[key].items()}
+        for key in ("replay/own", "replay/permuted", "free")
+    }
+    metrics = next(r["metrics"] for r in results if "train/pg_loss" in r["metrics"])
+    return merged, results, metrics, (forced, disagreement)
+
+
+LAYOUTS = [
+    pytest.param(1, ["train.max_tokens_per_gpu=40"], 2, id="packed"),
+    pytest.param(1, ["train.micro_batch_size=1"], 2, id="one_at_a_time"),
+    pytest.param(2, ["parallel.tp=2", "train.max_tokens_per_gpu=40"], 2, id="tp2_sp"),
+    pytest.param(2, ["parallel.ep=2", "train.max_tokens_per_gpu=40"], 2, id="ep2"),
+    pytest.param(2, ["parallel.pp=2", "parallel.vpp=2", "train.max_tokens_per_gpu=40"], 4, id="pp2_vpp2"),
+]
+
+
+@pytest.fixture(scope="module")
+def packed(cases, tmp_path_factory):
+    return run_layout(tmp_path_factory.mktemp("packed"), cases, 1, ["train.max_tokens_per_gpu=40"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "overrides", "layers"), LAYOUTS)
+def test_replay_matches_own_routing_and_hf_under_forced_routing(
+    tmp_path, cases, packed, nproc, overrides, layers
+):
+    logprobs, results, metrics, (forced, disagreement) = run_layout(tmp_path, cases, nproc, overrides, layers)
+    assert 0.9 < disagreement < 1.0  # the first layer always differs, later ones mostly
+    for sample, expected in enumerate(forced):
+        key = str(sample)
+        # (a) replaying the model's own choice changes nothing
+        assert logprobs["replay/own"][key] == pytest.approx(logprobs["free"][key], abs=1e-6), key
+        # (b) a forced routing gives HF's logprobs under the same routing, far from the free ones
+        assert logprobs["replay/permuted"][key] == pytest.approx(expected, abs=2e-5), key
+        assert max(abs(a - b) for a, b in zip(expected, logprobs["free"][key], strict=True)) > 1e-3
+    for rank in results:
+        assert rank["disagreement/own"] == 0.0
+        assert rank["disagreement/permuted"] == pytest.approx(disagreement, abs=1e-12)
+    # One RL step on the permuted routing: the training forward replays it (its old logprobs equal
+    # HF's under it), the reference model replays it too (KL 0 while the weights are equal).
+    assert metrics["train/routing_disagreement"] == pytest.approx(disagreement, abs=1e-12)
+    assert metrics["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert metrics["train/train_rollout_logprob_abs_diff_max"] < 2e-5
+    assert metrics["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=1e-5)
+    if layers == 2:  # (c) and the update: the same as packed micro-batches on one rank
+        reference, _, ref_metrics, _ = packed
+        for key, values in reference["replay/permuted"].items():
+            assert logprobs["replay/permuted"][key] == pytest.approx(values, abs=1e-5), key
+        assert metrics["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], abs=1e-5)
+
+
+def _batch(lengths: list[int], routed: list[np.ndarray]) -> TrainBatch:
+    return TrainBatch(
+        tokens=[list(range(3, 3 + n)) for n in lengths],
+        response_lengths=[2] * len(lengths),
+        loss_masks=[[1, 1]] * len(lengths),
+        routed_experts=routed,
+        sample_indices=[40 + k for k in range(len(lengths))],
+    )
+
+
+def test_micro_batches_carry_routing_where_the_tokens_are():
+    """Row i of a sequence's routing sits at its token i; other positions hold experts 0..K-1."""
+    routed = [np.full((n - 1, 2, 2), 10 + k, dtype=np.uint8) for k, n in enumerate((4, 3))]
+    packed = collate_packed(_batch([4, 3], routed), pad_to_multiple=4)
+    assert packed.routed_experts_BSLK is not None
+    assert packed.routed_experts_BSLK.shape == (1, 8, 2, 2)
+    firsts = packed.routed_experts_BSLK[0, :, 0].tolist()
+    assert firsts == [[10, 10]] * 3 + [[0, 1]] + [[11, 11]] * 2 + [[0, 1]] * 2
+    assert valid_positions(packed)[0].tolist() == [True] * 3 + [False] + [True] * 2 + [False] * 2
+    padded = collate(_batch([4, 3], routed))
+    assert padded.routed_experts_BSLK is not None
+    assert padded.routed_experts_BSLK[1, :, 1].tolist() == [[11, 11]] * 2 + [[0, 1]] * 2
+
+
+def test_wrong_routing_shape_is_one_line_naming_the_sample(tiny_model):
+    arch = read_model_arch(tiny_model("qwen3_moe"))  # 2 MoE layers, top-2 of 4 experts
+    good = np.zeros((4, 2, 2), dtype=np.uint8)
+    cases = {
+        "(4, 1, 2)": np.zeros((4, 1, 2), dtype=np.uint8),  # a layer short
+        "(4, 2, 3)": np.zeros((4, 2, 3), dtype=np.uint8),  # top-3
+        "(5, 2, 2)": np.zeros((5, 2, 2), dtype=np.uint8),  # one row per token, not per input
+    }
+    for shape, bad in cases.items():
+        with pytest.raises(SlimError) as info:
+            check_routing(_batch([5, 5], [good, bad]), arch)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("sample 41:") and shape in message
+        assert "expected (4, 2, 2)" in message
+    with pytest.raises(SlimError, match=r"^sample 40: .*expert id 4, valid ids are 0\.\.3"):
+        check_routing(_batch([5], [np.full((4, 2, 2), 4, dtype=np.uint8)]), arch)
+
+
+def test_driver_carries_routing_and_names_a_sample_without():
+    samples = [
+        Sample(index=7 + k, tokens=[3, 4, 5, 6], response_length=2, rollout_routed_experts=[[[k, 1]]] * 3)
+        for k in range(2)
+    ]
+    parts = split_for_dp(samples, 2, routing=True)
+    assert [p.sample_indices for p in parts] == [[7], [8]]
+    assert [p.routed_experts[0][:, 0, 0].tolist() for p in parts if p.routed_experts] == [[0] * 3, [1] * 3]
+    samples[1].rollout_routed_experts = None
+    with pytest.raises(SlimError, match=r"^sample 8: algorithm.routing_replay=true but the engine returned"):
+        split_for_dp(samples, 2, routing=True)
+
+
+def test_backward_recompute_takes_each_micro_batch_its_own_targets():
+    """Under activation recompute the router runs again in the backward (gradients on): it must get
+    the targets of the micro-batch being recomputed, in forward order, not the latest ones."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from slimrl.trainer.routing_replay import EngineRouting
+
+    replay = EngineRouting()
+    RouterReplay.global_router_replay_instances.remove(replay)
+    scores = torch.arange(8.0).reshape(2, 4)
+    first, second = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[3, 2], [1, 0]])
+    replay.recompute_in_backward = True
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def route() -> torch.Tensor:
+        return replay.get_replay_topk(scores, 2, default_compute_topk=lambda s, k, **_: s.topk(k))[1]
+
+    chosen = []
+    for targets in (first, second):  # the forwards, inside the checkpoint: gradients off
+        replay.set_target_indices(targets)
+        with torch.no_grad():
+            chosen.append(route())
+    with torch.enable_grad():  # the backward's recomputes, first micro-batch first
+        chosen += [route(), route()]
+    assert [c.tolist() for c in chosen] == [first.tolist(), second.tolist(), first.tolist(), second.tolist()]

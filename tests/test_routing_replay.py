@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,16 +65,40 @@ def hf_score(model, tokens: list[int], response: int, forced: np.ndarray | None 
     return logprobs[-response:].tolist(), routing
 
 
+def hf_forced(model, tokens, responses, routings) -> tuple[list[list[float]], float]:
+    """HF logprobs under forced routings, and the fraction of (token, layer) pairs where the
+    router's own choice (from the inputs the forced routing produced) differs from the forced one."""
+    scored = [hf_score(model, t, r, f) for t, r, f in zip(tokens, responses, routings, strict=True)]
+    differs = [
+        (np.sort(chosen, axis=-1) != np.sort(forced, axis=-1)).any(axis=-1).reshape(-1)
+        for (_, chosen), forced in zip(scored, routings, strict=True)
+    ]
+    return [logprobs for logprobs, _ in scored], float(np.concatenate(differs).mean())
+
+
+@dataclass
+class Case:
+    """A batch on one tiny model, its routings, and what HF computes under each."""
+
+    path: Path
+    data_path: Path
+    hf: dict[str, list[list[float]]]
+    """Per routing: HF fp32 logprobs under it (`engine_bf16`: the bf16 engine's own logprobs)."""
+    disagreement: dict[str, float]
+    """Per routing: HF's own-choice disagreement under it."""
+
+
 @pytest.fixture(scope="module")
-def cases(tiny_model, tmp_path_factory):
-    """Per model depth: the batch, its routings and the HF logprobs under the forced routing."""
+def cases(tiny_model, tmp_path_factory) -> dict[int, Case]:
+    """Per model depth (16 experts, top-4: bf16 flips some choices), the batch and its routings:
+    `own` (fp32 HF's choice), `permuted` (e + 1 mod 16 of it), `engine` (bf16 HF's choice)."""
     from transformers import AutoModelForCausalLM
 
     out = {}
     for layers in (2, 4):
-        path = tiny_model("qwen3_moe", num_hidden_layers=layers) if layers != 2 else tiny_model("qwen3_moe")
+        path = tiny_model("qwen3_moe", num_hidden_layers=layers, num_experts=16, num_experts_per_tok=4)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        experts = model.config.num_experts
+        engine = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
         rng = random.Random(layers)
         tokens = [
             [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randrange(10, 30))]
@@ -80,33 +106,35 @@ def cases(tiny_model, tmp_path_factory):
         ]
         responses = [rng.randrange(3, len(t) - 2) for t in tokens]
         own = [hf_score(model, t, r)[1] for t, r in zip(tokens, responses, strict=True)]
-        permuted = [((r.astype(np.int64) + 1) % experts).astype(np.uint8) for r in own]
-        scored = [hf_score(model, t, r, p) for t, r, p in zip(tokens, responses, permuted, strict=True)]
-        forced = [logprobs for logprobs, _ in scored]
-        # Under the forced routing, later layers see other inputs: their own choice may match it.
-        differs = [
-            (np.sort(chosen, axis=-1) != np.sort(p, axis=-1)).any(axis=-1)
-            for (_, chosen), p in zip(scored, permuted, strict=True)
-        ]
-        disagreement = float(np.concatenate([d.reshape(-1) for d in differs]).mean())
+        engine_scored = [hf_score(engine, t, r) for t, r in zip(tokens, responses, strict=True)]
+        routings = {
+            "own": own,
+            "permuted": [((r.astype(np.int64) + 1) % 16).astype(np.uint8) for r in own],
+            "engine": [routing for _, routing in engine_scored],
+        }
+        hf, disagreement = {}, {}
+        for name in ("permuted", "engine"):
+            hf[name], disagreement[name] = hf_forced(model, tokens, responses, routings[name])
+        hf["engine_bf16"] = [logprobs for logprobs, _ in engine_scored]
         data = {
             "tokens": tokens,
             "response_lengths": responses,
-            "rollout_log_probs": forced,
-            "own": own,
-            "permuted": permuted,
+            "rollout_log_probs": hf["permuted"],
+            **routings,
         }
         data_path = tmp_path_factory.mktemp("replay") / f"data{layers}.pt"
         torch.save(data, data_path)
-        out[layers] = (path, data_path, forced, disagreement)
+        out[layers] = Case(path=path, data_path=data_path, hf=hf, disagreement=disagreement)
     return out
 
 
-def run_layout(tmp_path, cases, nproc: int, overrides: list[str], layers: int = 2):
-    path, data_path, forced, disagreement = cases[layers]
+ROUTINGS = ("own", "permuted", "engine")
+
+
+def run_layout(tmp_path, case: Case, nproc: int, overrides: list[str]):
     args = [
-        str(data_path),
-        f"model.hf_checkpoint={path}",
+        str(case.data_path),
+        f"model.hf_checkpoint={case.path}",
         f"cluster.gpus_per_node={nproc}",
         "algorithm.routing_replay=true",
         "algorithm.kl_loss_coef=0.1",
@@ -115,12 +143,16 @@ def run_layout(tmp_path, cases, nproc: int, overrides: list[str], layers: int = 
     ]
     results = run_torchrun(WORKER, nproc, args, tmp_path / "run")
     last = [r for r in results if r["replay/own"]]  # logprobs live on the last pipeline stage
-    merged = {
-        key: {k: v for r in last for k, v in r[key].items()}
-        for key in ("replay/own", "replay/permuted", "free")
-    }
+    keys = [f"replay/{name}" for name in ROUTINGS] + ["free"]
+    merged = {key: {k: v for r in last for k, v in r[key].items()} for key in keys}
     metrics = next(r["metrics"] for r in results if "train/pg_loss" in r["metrics"])
-    return merged, results, metrics, (forced, disagreement)
+    return merged, results, metrics
+
+
+def max_abs_diff(ours: dict[str, list[float]], theirs: list[list[float]]) -> float:
+    return max(
+        abs(a - b) for k, values in enumerate(theirs) for a, b in zip(ours[str(k)], values, strict=True)
+    )
 
 
 LAYOUTS = [
@@ -134,7 +166,7 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def packed(cases, tmp_path_factory):
-    return run_layout(tmp_path_factory.mktemp("packed"), cases, 1, ["train.max_tokens_per_gpu=40"])
+    return run_layout(tmp_path_factory.mktemp("packed"), cases[2], 1, ["train.max_tokens_per_gpu=40"])
 
 
 @pytest.mark.slow
@@ -142,27 +174,33 @@ def packed(cases, tmp_path_factory):
 def test_replay_matches_own_routing_and_hf_under_forced_routing(
     tmp_path, cases, packed, nproc, overrides, layers
 ):
-    logprobs, results, metrics, (forced, disagreement) = run_layout(tmp_path, cases, nproc, overrides, layers)
-    assert 0.9 < disagreement < 1.0  # the first layer always differs, later ones mostly
-    for sample, expected in enumerate(forced):
-        key = str(sample)
-        # (a) replaying the model's own choice changes nothing
-        assert logprobs["replay/own"][key] == pytest.approx(logprobs["free"][key], abs=1e-6), key
-        # (b) a forced routing gives HF's logprobs under the same routing, far from the free ones
-        assert logprobs["replay/permuted"][key] == pytest.approx(expected, abs=2e-5), key
-        assert max(abs(a - b) for a, b in zip(expected, logprobs["free"][key], strict=True)) > 1e-3
+    case = cases[layers]
+    logprobs, results, metrics = run_layout(tmp_path, case, nproc, overrides)
+    # (a) replaying the model's own choice changes nothing
+    free = [logprobs["free"][str(k)] for k in range(len(logprobs["free"]))]
+    assert max_abs_diff(logprobs["replay/own"], free) < 1e-6
+    # (b) a forced routing gives HF's logprobs under the same routing, far from the free ones
+    for name in ("permuted", "engine"):
+        assert max_abs_diff(logprobs[f"replay/{name}"], case.hf[name]) < 2e-5, name
+    assert max_abs_diff(logprobs["free"], case.hf["permuted"]) > 1e-3
+    assert case.disagreement["permuted"] > 0.9  # layer 1 always differs, later ones mostly
+    assert 0.0 < case.disagreement["engine"] < 0.2  # bf16 flips a few experts
     for rank in results:
         assert rank["disagreement/own"] == 0.0
-        assert rank["disagreement/permuted"] == pytest.approx(disagreement, abs=1e-12)
+        for name in ("permuted", "engine"):
+            assert rank[f"disagreement/{name}"] == pytest.approx(case.disagreement[name], abs=1e-12), name
+    # The bf16 engine against the fp32 trainer: replaying its routing brings the mismatch down.
+    engine = case.hf["engine_bf16"]
+    assert max_abs_diff(logprobs["replay/engine"], engine) < max_abs_diff(logprobs["free"], engine)
     # One RL step on the permuted routing: the training forward replays it (its old logprobs equal
     # HF's under it), the reference model replays it too (KL 0 while the weights are equal).
-    assert metrics["train/routing_disagreement"] == pytest.approx(disagreement, abs=1e-12)
+    assert metrics["train/routing_disagreement"] == pytest.approx(case.disagreement["permuted"], abs=1e-12)
     assert metrics["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert metrics["train/train_rollout_logprob_abs_diff_max"] < 2e-5
     assert metrics["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=1e-5)
     if layers == 2:  # (c) and the update: the same as packed micro-batches on one rank
-        reference, _, ref_metrics, _ = packed
+        reference, _, ref_metrics = packed
         for key, values in reference["replay/permuted"].items():
             assert logprobs["replay/permuted"][key] == pytest.approx(values, abs=1e-5), key
         assert metrics["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], abs=1e-5)

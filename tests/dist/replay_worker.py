@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N tests/dist/replay_worker.py OUT_DIR DATA key=value ...
 DATA (torch.save) holds `tokens`, `response_lengths`, `rollout_log_probs` and routings by name
-(`own`, `permuted`: per sequence `(len - 1, layers, top_k)` uint8). Each rank writes
+(`own`, `permuted`, `engine`: per sequence `(len - 1, layers, top_k)` uint8). Each rank writes
 OUT_DIR/rank<k>.json: per routing the replayed response logprobs (`replay/<name>`), the
 disagreement of a scoring pass, the logprobs without replay (`free`), and the metrics of one RL
 step on the `permuted` routing (reference model replaying too, through the KL loss).
@@ -74,7 +74,7 @@ def main() -> None:
     dp, dp_rank = actor.layout.dp, actor.coordinates()["dp"]
     data = torch.load(data_path, weights_only=False)
     result: dict = {"coords": actor.coordinates()}
-    for routing in ("own", "permuted"):
+    for routing in ("own", "permuted", "engine"):
         batch = rank_batch(data, routing, dp, dp_rank)
         actor.routing.measure_next = True
         result[f"replay/{routing}"] = by_sample(batch, actor.response_logprobs(batch))

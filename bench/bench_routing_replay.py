@@ -35,8 +35,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 
 def engine_score(model, tokens: list[int], response: int) -> tuple[list[float], np.ndarray]:

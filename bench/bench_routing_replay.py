@@ -13,7 +13,9 @@ router takes its top-k). The trainer is a one-rank fp32 `MegatronActor` with
   probability ratio exp(|diff|), without and with replay;
 * `step_seconds` / `overhead`: one RL training step (`train_rl`, old logprobs fused in the
   training forward, disagreement counted in it) with and without replay, median of `--repeats`
-  alternating runs (goal: overhead < 3%);
+  alternating runs (goal: overhead < 3%); on a shared machine that difference is within the noise,
+  so `replay_code_share` also times the replay's own work inside the replayed steps (setting the
+  targets per micro-batch and chunk, counting the disagreement) as a share of their step time;
 * `routing_bytes_per_token`: bytes of `Sample.rollout_routed_experts` per token (uint8 ids), and
   what that is for 32k tokens of a 94-layer top-8 model.
 
@@ -79,6 +81,27 @@ def alternating_medians(first: Callable[[], object], second: Callable[[], object
             fn()
             out.append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _time_replay_work() -> list[float]:
+    """Accumulate the seconds spent in the replay's own code (targets, disagreement count)."""
+    from slimrl.trainer.routing_replay import EngineRouting, RoutingReplay
+
+    spent = [0.0]
+
+    def timed(fn: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return run
+
+    RoutingReplay.set_targets = timed(RoutingReplay.set_targets)  # type: ignore[method-assign]
+    EngineRouting.count_disagreement = timed(EngineRouting.count_disagreement)  # type: ignore[method-assign]
+    return spent
 
 
 def main() -> int:
@@ -164,7 +187,9 @@ def main() -> int:
 
             return run
 
+        spent = _time_replay_work()
         replayed, free = alternating_medians(step(True), step(False), args.repeats)
+        replay_share = spent[0] / (replayed * (args.repeats + 1))
         per_token = batch.routed_experts[0].nbytes / len(batch.routed_experts[0])
     report = {
         "model": f"tiny qwen3_moe: {args.layers} layers, {args.experts} experts top-{args.topk}, "
@@ -185,6 +210,7 @@ def main() -> int:
         },
         "step_seconds": {"with_replay": round(replayed, 4), "without_replay": round(free, 4)},
         "overhead": round(replayed / free - 1, 4),
+        "replay_code_share": round(replay_share, 4),
         "routing_bytes_per_token": per_token,
         "routing_bytes_32k_tokens_94_layers_top8": 32768 * 94 * 8,
         "threads": torch.get_num_threads(),

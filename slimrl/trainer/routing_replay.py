@@ -68,12 +68,13 @@ class EngineRouting(RouterReplay):
             finally:
                 self.router_replay_action = RouterReplayAction.REPLAY_FORWARD
         if forward and self.valid_N is not None and default_compute_topk is not None:
-            self._count(scores, topk, num_groups, group_topk, default_compute_topk)
+            self.count_disagreement(scores, topk, num_groups, group_topk, default_compute_topk)
         return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
-    def _count(
+    def count_disagreement(
         self, scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None, own_topk: TopK
     ) -> None:
+        """Add the valid tokens whose own top-k set (from `scores`) differs from the target's."""
         assert self.target_topk_idx is not None and self.valid_N is not None
         with torch.no_grad():
             _, own = own_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)

@@ -192,6 +192,16 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
     # The bf16 engine against the fp32 trainer: replaying its routing brings the mismatch down.
     engine = case.hf["engine_bf16"]
     assert max_abs_diff(logprobs["replay/engine"], engine) < max_abs_diff(logprobs["free"], engine)
+    # The counterfactual diagnosis: the mismatch to the rollout (HF under the permuted routing) had
+    # the trainer not replayed, over every loss token of every DP rank.
+    diffs = np.abs(np.concatenate([np.subtract(free[k], hf) for k, hf in enumerate(case.hf["permuted"])]))
+    counterfactual = next(r["counterfactual"] for r in results if r["counterfactual"])
+    assert counterfactual["train/train_rollout_logprob_abs_diff_no_replay"] == pytest.approx(
+        diffs.mean(), abs=1e-7
+    )
+    assert counterfactual["train/train_rollout_logprob_abs_diff_max_no_replay"] == pytest.approx(
+        diffs.max(), abs=1e-7
+    )
     # One RL step on the permuted routing: the training forward replays it (its old logprobs equal
     # HF's under it), the reference model replays it too (KL 0 while the weights are equal).
     assert metrics["train/routing_disagreement"] == pytest.approx(case.disagreement["permuted"], abs=1e-12)

@@ -119,7 +119,7 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
         metrics.update(routing_disagreement(actor))
     if actor.routing is not None and routing_counterfactual(actor.config):
-        metrics.update(_counterfactual(actor, batch))
+        metrics.update(counterfactual_mismatch(actor, batch))
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
     if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
         _token_level_advantages(actor, batch)  # ppo: GAE on the critic's values (`ppo.py`)
@@ -147,8 +147,9 @@ def routing_disagreement(actor: MegatronActor) -> dict[str, float]:
     return {"train/routing_disagreement": float(summed[0] / summed[1].clamp(min=1.0))}
 
 
-def _counterfactual(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
-    """The train/rollout mismatch had the routers chosen for themselves (an extra forward)."""
+def counterfactual_mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
+    """The train/rollout mismatch metrics had the routers chosen for themselves (an extra forward),
+    as `<metric>_no_replay`, on the last pipeline stage."""
     assert actor.routing is not None
     actor.routing.enabled = False
     try:

@@ -216,6 +216,20 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
         assert metrics["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_ppo_policy_replays_and_critic_routes_on_its_own(tmp_path, cases):
+    """The engine's routing was chosen by the policy's routers: the PPO critic (an MoE too) is built
+    without replay and trains beside the replaying policy."""
+    ppo = ["algorithm.advantage_estimator=ppo", "critic.lr=1e-4", "train.max_tokens_per_gpu=40"]
+    _, results, metrics = run_layout(tmp_path, cases[2], 1, ppo)
+    assert results[0]["critic_replaying_routers"] == 0
+    assert metrics["train/routing_disagreement"] == pytest.approx(
+        cases[2].disagreement["permuted"], abs=1e-12
+    )
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert metrics["train/value_loss"] > 0.0
+
+
 def _batch(lengths: list[int], routed: list[np.ndarray]) -> TrainBatch:
     return TrainBatch(
         tokens=[list(range(3, 3 + n)) for n in lengths],

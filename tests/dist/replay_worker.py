@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from slimrl.config import load_config
 from slimrl.trainer import rl
@@ -85,6 +86,13 @@ def main() -> None:
     actor.routing.enabled = True
     result["counterfactual"] = rl.counterfactual_mismatch(actor, rank_batch(data, "permuted", dp, dp_rank))
     result["metrics"] = actor.train_rl(rank_batch(data, "permuted", dp, dp_rank))
+    if actor.critic is not None:  # PPO: the critic's routers must choose for themselves
+        result["critic_replaying_routers"] = sum(
+            1
+            for chunk in actor.critic.state.model
+            for module in chunk.modules()
+            if isinstance(module, TopKRouter) and module.router_replay is not None
+        )
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
     destroy_distributed()
 

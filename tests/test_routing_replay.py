@@ -256,7 +256,7 @@ def test_micro_batches_carry_routing_where_the_tokens_are():
 
 def test_wrong_routing_shape_is_one_line_naming_the_sample(tiny_model):
     arch = read_model_arch(tiny_model("qwen3_moe"))  # 2 MoE layers, top-2 of 4 experts
-    good = np.zeros((4, 2, 2), dtype=np.uint8)
+    good = np.tile(np.array([0, 1], dtype=np.uint8), (4, 2, 1))
     cases = {
         "(4, 1, 2)": np.zeros((4, 1, 2), dtype=np.uint8),  # a layer short
         "(4, 2, 3)": np.zeros((4, 2, 3), dtype=np.uint8),  # top-3
@@ -270,6 +270,11 @@ def test_wrong_routing_shape_is_one_line_naming_the_sample(tiny_model):
         assert "expected (4, 2, 2)" in message
     with pytest.raises(SlimError, match=r"^sample 40: .*expert id 4, valid ids are 0\.\.3"):
         check_routing(_batch([5], [np.full((4, 2, 2), 4, dtype=np.uint8)]), arch)
+    twice = good.copy()
+    twice[2, 1] = [3, 1]
+    twice[3, 0] = [2, 2]
+    with pytest.raises(SlimError, match=r"^sample 40: .* expert twice for token 3 in MoE layer 0: \[2, 2\]"):
+        check_routing(_batch([5], [twice]), arch)
 
 
 def test_driver_carries_routing_and_names_a_sample_without():

@@ -106,7 +106,8 @@ def moe_layer_numbers(arch: ModelArch) -> list[int]:
 
 
 def check_routing(batch: TrainBatch, arch: ModelArch) -> None:
-    """Every sequence has a routing of shape (len(tokens) - 1, MoE layers, top-k) with valid ids."""
+    """Every sequence has a routing of shape (len(tokens) - 1, MoE layers, top-k) with distinct valid
+    ids: anything else would silently route tokens to other experts than the engine's."""
     assert arch.num_experts is not None
     expected_tail = (len(moe_layer_numbers(arch)), arch.moe_topk)
     if batch.routed_experts is None:
@@ -122,10 +123,21 @@ def check_routing(batch: TrainBatch, arch: ModelArch) -> None:
                 f"sample {batch.sample_indices[k]}: rollout_routed_experts has shape {array.shape}, "
                 f"expected {expected} (tokens - 1, MoE layers, top-k) for this model"
             )
-        if array.size and (array.min() < 0 or array.max() >= arch.num_experts):
+        if not array.size:
+            continue
+        bad = array.min() if array.min() < 0 else array.max()
+        if not 0 <= bad < arch.num_experts:
             raise SlimError(
                 f"sample {batch.sample_indices[k]}: rollout_routed_experts holds expert id "
-                f"{int(array.max())}, valid ids are 0..{arch.num_experts - 1}"
+                f"{int(bad)}, valid ids are 0..{arch.num_experts - 1}"
+            )
+        ordered = np.sort(array, axis=-1)
+        repeated = np.argwhere(ordered[..., 1:] == ordered[..., :-1])
+        if len(repeated):
+            token, layer, _ = repeated[0]
+            raise SlimError(
+                f"sample {batch.sample_indices[k]}: rollout_routed_experts names an expert twice for "
+                f"token {token} in MoE layer {layer}: {array[token, layer].tolist()} (top-k must be distinct)"
             )
 
 

@@ -12,8 +12,8 @@ router takes its top-k). The trainer is a one-rank fp32 `MegatronActor` with
 * `mismatch`: |logp_trainer - logp_engine| over response tokens (mean, max) and the median
   probability ratio exp(|diff|), without and with replay;
 * `step_seconds` / `overhead`: one RL training step (`train_rl`, old logprobs fused in the
-  training forward, disagreement counted in it) with and without replay, median of `--repeats`
-  alternating runs (goal: overhead < 3%); on a shared machine that difference is within the noise,
+  training forward, disagreement counted in it) with and without replay, median CPU seconds of
+  `--repeats` alternating runs (goal: overhead < 3%); on a shared machine that is still noisy,
   so `replay_code_share` also times the replay's own work inside the replayed steps (setting the
   targets per micro-batch and chunk, counting the disagreement) as a share of their step time;
 * `routing_bytes_per_token`: bytes of `Sample.rollout_routed_experts` per token (uint8 ids), and
@@ -77,9 +77,9 @@ def alternating_medians(first: Callable[[], object], second: Callable[[], object
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, out in ((first, times[0]), (second, times[1])):
-            start = time.perf_counter()
+            start = time.process_time()  # CPU seconds: other jobs on the machine do not count
             fn()
-            out.append(time.perf_counter() - start)
+            out.append(time.process_time() - start)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
@@ -91,11 +91,11 @@ def _time_replay_work() -> list[float]:
 
     def timed(fn: Callable[..., object]) -> Callable[..., object]:
         def run(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - start
+                spent[0] += time.process_time() - start
 
         return run
 

@@ -52,6 +52,14 @@ class EngineRouting(RouterReplay):
         self.disagree = torch.zeros((), dtype=torch.long)
         self.counted = torch.zeros((), dtype=torch.long)
 
+    def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+        """The next forward's experts; queued for the backward only under recompute (otherwise every
+        micro-batch's targets of a pass would stay alive until its end)."""
+        if self.recompute_in_backward:
+            super().set_target_indices(topk_indices)
+        else:
+            self.target_topk_idx = topk_indices
+
     def get_replay_topk(
         self,
         scores: torch.Tensor,

@@ -161,6 +161,10 @@ LAYOUTS = [
     pytest.param(2, ["parallel.tp=2", "train.max_tokens_per_gpu=40"], 2, id="tp2_sp"),
     pytest.param(2, ["parallel.ep=2", "train.max_tokens_per_gpu=40"], 2, id="ep2"),
     pytest.param(2, ["parallel.pp=2", "parallel.vpp=2", "train.max_tokens_per_gpu=40"], 4, id="pp2_vpp2"),
+    # 1F1B runs several forwards before their backwards: each recompute must take its own targets
+    pytest.param(
+        2, ["parallel.pp=2", "parallel.recompute=full", "train.max_tokens_per_gpu=40"], 2, id="pp2_recompute"
+    ),
 ]
 
 

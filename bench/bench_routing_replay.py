@@ -104,6 +104,28 @@ def _time_replay_work() -> list[float]:
     return spent
 
 
+def _load_config(overrides: list[str]):
+    """TEMPORARY until the schema declares `algorithm.routing_replay` (the engine slice adds it):
+    without the key, the loaded algorithm section is swapped for one that has it, set."""
+    import dataclasses
+
+    from slimrl.config import load_config
+    from slimrl.config.schema import AlgorithmConfig
+
+    if "routing_replay" in {f.name for f in dataclasses.fields(AlgorithmConfig)}:
+        return load_config(None, [*overrides, "algorithm.routing_replay=true"])
+    config = load_config(None, overrides)
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class WithReplay(AlgorithmConfig):
+        routing_replay: bool = True
+
+    config.algorithm = WithReplay(
+        **{f.name: getattr(config.algorithm, f.name) for f in dataclasses.fields(AlgorithmConfig)}
+    )
+    return config
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=16)
@@ -117,7 +139,6 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from slimrl.config import load_config
     from slimrl.data.tiny_models import make_tiny
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.batch import TrainBatch
@@ -162,10 +183,9 @@ def main() -> int:
             "cluster.gpus_per_node=1",
             "train.max_tokens_per_gpu=2048",
             "train.optimizer.lr=1e-7",
-            "algorithm.routing_replay=true",
         ]
         actor = MegatronActor(
-            load_config(None, overrides),
+            _load_config(overrides),
             RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()),
         )
         actor.setup(total_steps=1000)

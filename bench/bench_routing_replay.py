@@ -20,6 +20,8 @@ router takes its top-k). The trainer is a one-rank fp32 `MegatronActor` with
   what that is for 32k tokens of a 94-layer top-8 model.
 
     python bench/bench_routing_replay.py [--samples 16] [--layers 4] [--experts 16] [--topk 4]
+
+Exits 1 if the overhead is not below `--max-overhead` or replay does not lower the max mismatch.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def main() -> int:
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--max-overhead", type=float, default=0.03)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -235,8 +238,14 @@ def main() -> int:
         "routing_bytes_32k_tokens_94_layers_top8": 32768 * 94 * 8,
         "threads": torch.get_num_threads(),
     }
+    mismatch_down = (
+        report["mismatch"]["with_replay"]["abs_diff_max"]
+        < report["mismatch"]["without_replay"]["abs_diff_max"]
+    )
+    report["goal"] = f"overhead < {args.max_overhead} and max mismatch lower with replay"
+    report["goal_met"] = replayed / free - 1 < args.max_overhead and mismatch_down
     print(json.dumps(report, indent=2))
-    return 0
+    return 0 if report["goal_met"] else 1
 
 
 if __name__ == "__main__":

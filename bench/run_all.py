@@ -17,6 +17,7 @@ BENCHES = [
     "packing",
     "trainer",
     "ppo_critic",
+    "routing_replay",
     "export",
     "convert",
     "weight_sync",

@@ -49,8 +49,9 @@ class EngineRouting(RouterReplay):
         super().__init__()
         self.valid_N: torch.Tensor | None = None
         self.recompute_in_backward = False
-        self.disagree = torch.zeros((), dtype=torch.long)
-        self.counted = torch.zeros((), dtype=torch.long)
+        self.disagree: torch.Tensor | int = 0
+        self.counted: torch.Tensor | int = 0
+        """Sums on the scores' device: read once per step, no device sync per layer."""
 
     def set_target_indices(self, topk_indices: torch.Tensor) -> None:
         """The next forward's experts; queued for the backward only under recompute (otherwise every
@@ -89,8 +90,8 @@ class EngineRouting(RouterReplay):
             target = self.target_topk_idx.to(own.device)
             differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1)
             valid = self.valid_N.to(own.device)
-            self.disagree += (differs & valid).sum().cpu()
-            self.counted += valid.sum().cpu()
+            self.disagree = self.disagree + (differs & valid).sum()
+            self.counted = self.counted + valid.sum()
 
     def reset(self) -> None:
         self.clear_indices()
@@ -209,8 +210,7 @@ class RoutingReplay:
             replay.recompute_in_backward = recompute_in_backward
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             if self.measure_next:
-                replay.disagree.zero_()
-                replay.counted.zero_()
+                replay.disagree = replay.counted = 0
 
     def set_targets(self, chunk: Any, mb: MicroBatch) -> None:
         """Targets of `mb` for the routers of `chunk` (one of the chunks this was built on, or a
@@ -238,8 +238,7 @@ class RoutingReplay:
         for _, replay in self._all():
             disagree += int(replay.disagree)
             counted += int(replay.counted)
-            replay.disagree.zero_()
-            replay.counted.zero_()
+            replay.disagree = replay.counted = 0
         return Disagreement(disagree=disagree, counted=counted)
 
     def _all(self) -> list[tuple[int, EngineRouting]]:

@@ -194,13 +194,13 @@ def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
     reduced = _dp_sum(actor, {k: float(v) for k, v in sums.items()})
     metrics = alg.mismatch_metrics({k: torch.tensor(v, dtype=torch.float64) for k, v in reduced.items()})
-    return metrics | _mismatch_spread(actor, (train_lp - rollout_lp).abs()[mask > 0])
+    return metrics | _mismatch_spread((train_lp - rollout_lp).abs()[mask > 0])
 
 
-def _mismatch_spread(actor: MegatronActor, abs_diff: torch.Tensor) -> dict[str, float]:
+def _mismatch_spread(abs_diff: torch.Tensor) -> dict[str, float]:
     """Max |logp_train - logp_rollout| and the median probability ratio exp(|diff|) over the step's
     loss tokens on all DP ranks (a median needs them all: they are gathered)."""
-    values = _gather_over_dp(actor, abs_diff.double().reshape(-1))
+    values = _gather_over_dp(abs_diff.double().reshape(-1))
     if not values.numel():
         return {}
     return {
@@ -209,7 +209,8 @@ def _mismatch_spread(actor: MegatronActor, abs_diff: torch.Tensor) -> dict[str, 
     }
 
 
-def _gather_over_dp(actor: MegatronActor, values: torch.Tensor) -> torch.Tensor:
+def _gather_over_dp(values: torch.Tensor) -> torch.Tensor:
+    """This DP group's values, concatenated in rank order (unequal lengths allowed)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -376,7 +377,6 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     global_counts = _dp_sum(actor, step_counts(batch.loss_masks))
     norm_tokens = loss_normaliser_tokens(actor.config)
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
-    measured = actor.routing is not None and actor.routing.measure_next
     fused_diffs: dict[int, list[float]] = {}
     """|old - rollout| per loss token when old logprobs are fused, by sample (a retry overwrites)."""
 
@@ -405,8 +405,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         "train/lr": state.optimizer.param_groups[0]["lr"],
         "train/oom_retries": float(actor.oom_retries),
     }
-    if measured:
-        metrics.update(routing_disagreement(actor))
+    metrics.update(routing_disagreement(actor))  # when this was the measured forward
     if _last_stage():
         keys = sorted({k for r in reports for k in r})
         summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
@@ -418,7 +417,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         if mismatch:
             metrics.update(alg.mismatch_metrics(mismatch))
             diffs = [v for values in fused_diffs.values() for v in values if v == v]  # v == v: not nan
-            metrics.update(_mismatch_spread(actor, torch.tensor(diffs, dtype=torch.float64)))
+            metrics.update(_mismatch_spread(torch.tensor(diffs, dtype=torch.float64)))
         tokens = max(summed.pop("tokens", 0.0), 1.0)
         for key, value in summed.items():
             if key.endswith("_sum"):

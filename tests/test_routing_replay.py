@@ -281,6 +281,15 @@ def test_wrong_routing_shape_is_one_line_naming_the_sample(tiny_model):
         check_routing(_batch([5], [twice]), arch)
 
 
+def test_replay_on_a_dense_model_is_refused(tiny_model):
+    from slimrl.trainer.routing_replay import RoutingReplay
+
+    with pytest.raises(
+        SlimError, match=r"^algorithm.routing_replay=true needs an MoE model; qwen3 is dense$"
+    ):
+        RoutingReplay([], read_model_arch(tiny_model("qwen3")), sequence_parallel=False)
+
+
 def test_driver_carries_routing_and_names_a_sample_without():
     samples = [
         Sample(index=7 + k, tokens=[3, 4, 5, 6], response_length=2, rollout_routed_experts=[[[k, 1]]] * 3)

@@ -128,6 +128,24 @@ def test_cli_exits_2_with_one_line_for_tp3(moe, mod_sum_data):
     assert len(lines) == 1 and "parallel.tp" in lines[0], proc.stderr
 
 
+def test_routing_replay_is_refused_at_load_on_a_dense_model_and_for_sft(tiny_model, moe, mod_sum_data):
+    """Refused by the CLI before Ray starts: exit 2, one line naming the key and the model."""
+    dense = tiny_model("qwen3")
+    config = str(REPO / "configs" / "tiny_moe_grpo_cpu.yaml")
+    proc = run_slimrl(
+        "train", config, f"model.hf_checkpoint={dense}", f"data.prompt_data={mod_sum_data}", "parallel.ep=1",
+        "algorithm.routing_replay=true",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"slimrl: error: algorithm.routing_replay=true needs an MoE model; qwen3 in model.hf_checkpoint={dense} is "
+        "dense (no routed experts in its config.json); set it to false"
+    ]
+    with pytest.raises(ConfigError, match=r"^algorithm.routing_replay=true: SFT \(algorithm.loss=sft\) has no "):
+        load_config(None, _base(moe, "algorithm.loss=sft", "algorithm.routing_replay=true"))
+    assert load_config(None, _base(moe, "algorithm.routing_replay=true")).algorithm.routing_replay
+
+
 def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
     """Big-model configs load as shipped (their config.json lives in configs/models/); tiny ones
     get the local tiny model and data."""

@@ -6,10 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from slimrl.megatron_bridge.model_arch import ModelArch
 
 CHOICES: dict[str, tuple[object, ...]] = {
     "cluster.device": ("auto", "cuda", "cpu"),
@@ -390,6 +394,24 @@ def _check_parallel(config: SlimConfig) -> None:
                     f"[0, {arch.vocab_size})"
                 )
     _check_batches(config, layout.dp)
+    _check_routing_replay(config, arch)
+
+
+def _check_routing_replay(config: SlimConfig, arch: ModelArch) -> None:
+    """Replay needs routed experts to replay: an MoE model, and engines that sample (not SFT)."""
+    if not config.algorithm.routing_replay:
+        return
+    if config.algorithm.loss == "sft":
+        raise ConfigError(
+            "algorithm.routing_replay=true: SFT (algorithm.loss=sft) has no engine routing to replay; "
+            "set it to false"
+        )
+    if not arch.is_moe:
+        raise ConfigError(
+            f"algorithm.routing_replay=true needs an MoE model; {arch.model_type} in "
+            f"model.hf_checkpoint={config.model.hf_checkpoint} is dense (no routed experts in its "
+            "config.json); set it to false"
+        )
 
 
 def _check_batches(config: SlimConfig, dp: int) -> None:

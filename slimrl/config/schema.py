@@ -296,6 +296,11 @@ class AlgorithmConfig:
     """Use rollout logprobs as old logprobs instead of recomputing them."""
     true_on_policy: bool = False
     """Make trainer and engine compute identical logprobs (see docs/true_on_policy.md)."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the engines return the experts they routed every token to
+    (`Sample.rollout_routed_experts`) and every trainer forward of the policy uses exactly those, so a
+    tiny numeric difference cannot flip a token's experts between rollout and training (see
+    docs/true_on_policy.md; storage and bytes: docs/rollout.md). MoE models and RL only."""
     async_staleness: int = 0
     """0: synchronous. 1: rollout of step k+1 overlaps training on step k (disaggregated)."""
 

@@ -23,10 +23,11 @@ from tests.conftest import REPO
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 VARIANTS = {
     "as shipped": [],
-    "true on-policy + keys": [
+    "true on-policy + keys + replay": [
         "algorithm.true_on_policy=true",
         "rollout.api_key=k",
         "rollout.admin_api_key=a",
+        "algorithm.routing_replay=true",
     ],
 }
 
@@ -70,6 +71,7 @@ def _expected(config: SlimConfig, index: int, base: int, on_cpu: bool) -> dict[s
         "api_key": rollout.api_key, "admin_api_key": rollout.admin_api_key,
         "enable_memory_saver": config.cluster.colocate and not on_cpu,
         "enable_deterministic_inference": config.algorithm.true_on_policy and not on_cpu,
+        "enable_return_routed_experts": config.algorithm.routing_replay,
     }  # fmt: skip
     if sglang.dp_attention:
         expected["dp_size"] = rollout.gpus_per_engine
@@ -90,7 +92,9 @@ def _expected(config: SlimConfig, index: int, base: int, on_cpu: bool) -> dict[s
 def test_sglang_parses_our_argv_to_the_configured_values(
     path, variant, on_cpu, sglang_parser, tiny_model, mod_sum_data, monkeypatch
 ):
-    config = _load(path, VARIANTS[variant], tiny_model, mod_sum_data, monkeypatch)
+    sft = "loss: sft" in path.read_text()  # replay is refused for SFT: there is no engine routing
+    extra = [o for o in VARIANTS[variant] if not (sft and o.startswith("algorithm.routing_replay"))]
+    config = _load(path, extra, tiny_model, mod_sum_data, monkeypatch)
     device = "cpu" if on_cpu else "cuda"
     for seat in engine_seats(config, simulated_layout(config), device):
         base = seat.base_gpu_id()

@@ -9,6 +9,8 @@ SGLang 0.5.23 serves tiny Qwen3, Qwen3-MoE, Qwen2 and Llama models on CPU with i
 - `--attention-backend torch_native` (the x86 default needs the AMX kernels), `--dtype float32`
   (tiny float32 checkpoints are otherwise served in float16) and `--max-total-tokens` (the KV pool
   would otherwise take ~1.7 GB whatever `--mem-fraction-static` says).
+- host buffers allocated without CUDA host registration (`host_memory.py`, installed by the
+  stand-in's import): `--enable-return-routed-experts` (routing replay) otherwise kills the server.
 GPU servers never see any of this: `server_args.py` asks `cpu_launch()` only when the engines run
 on CPU.
 """

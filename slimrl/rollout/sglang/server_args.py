@@ -94,6 +94,9 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     # `--rl-on-policy-target fsdp` is deliberately absent: it switches SGLang's layers to the
     # numerics of an FSDP trainer, and slimrl's trainer is Megatron (see REFUSED_EXTRA_ARGS).
     ("enable-deterministic-inference", _gpu_only(lambda launch: launch.config.algorithm.true_on_policy)),
+    # MoE routing replay: /generate answers carry `meta_info.routed_experts` when asked (on CPU
+    # its host buffer needs slimrl/compat/sglang_cpu/host_memory.py, installed by the stand-in).
+    ("enable-return-routed-experts", lambda launch: launch.config.algorithm.routing_replay),
     ("api-key", lambda launch: launch.config.rollout.api_key),
     ("admin-api-key", lambda launch: launch.config.rollout.admin_api_key),
     # CPU servers (slimrl/compat/sglang_cpu): SGLang's torch code paths, float32, a small KV pool.

@@ -6,6 +6,9 @@ directory goes first on the server's PYTHONPATH (and only the server's), so the 
 these two helpers; on CPUs without AMX SGLang then computes every layer with its torch code.
 Any other name imports (SGLang imports speculative-decoding kernels at module load) but raises
 NotImplementedError, naming the kernel, if it is ever called.
+
+Importing it also installs `slimrl.compat.sglang_cpu.host_memory` (host buffers allocated without
+CUDA host registration): this import is the first of ours to run in every server process.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+from slimrl.compat.sglang_cpu import host_memory
+
+host_memory.install()
 
 
 def assign_req_to_token_pool_cpu(

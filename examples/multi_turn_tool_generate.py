@@ -4,7 +4,9 @@ examples.multi_turn_tool_generate.generate`).
 The model talks; when its turn contains `<calc>EXPR</calc>` the environment evaluates EXPR and
 answers with `<result>VALUE</result>`; otherwise it answers with a hint. Environment tokens are part
 of the sequence the model conditions on, but they were not sampled by the policy: they get
-`loss_mask` 0 (never trained on) and a rollout logprob of 0.0 (ignored by the loss).
+`loss_mask` 0 (never trained on) and a rollout logprob of 0.0 (ignored by the loss). With
+`algorithm.routing_replay` every token still gets its routed experts: each engine call asks for the
+rows the sample lacks (`ctx.routing_request`), which include the tool tokens fed in that call.
 """
 
 from __future__ import annotations
@@ -67,9 +69,12 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
         params = {**sampling_params, "max_new_tokens": min(TURN_TOKENS, room)}
         # No rid: the client derives one from the rollout's prefix, so a rollout abort reaches us.
         response = await ctx.client.generate(
-            input_ids=sample.tokens, sampling_params=params, return_logprob=True
+            input_ids=sample.tokens,
+            sampling_params=params,
+            return_logprob=True,
+            **ctx.routing_request(sample),
         )
-        apply_response(sample, response)
+        apply_response(sample, response, routing=ctx.routing)
         if sample.status in (Status.ABORTED, Status.FAILED):
             break
         if sample.tokens[-1] == ctx.tokenizer.eos_token_id:

@@ -15,10 +15,14 @@ Example (a two-turn tool call: the tool's output is in the response but not trai
 
 from __future__ import annotations
 
+import base64
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+import numpy as np
 
 
 class Status(StrEnum):
@@ -52,8 +56,11 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     """Engine weight version(s) the response was generated under."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    rollout_routed_experts: list[list[list[int]]] | None = None
-    """MoE routing replay: [token][layer][topk] expert ids chosen by the engine."""
+    rollout_routed_experts: np.ndarray | None = None
+    """MoE routing replay (`algorithm.routing_replay`): the experts the engine routed each token to,
+    shape (len(tokens) - 1, MoE layers, top_k), in the smallest unsigned dtype holding the expert ids
+    (uint8 up to 256 experts). Row i is token i's routing in every MoE layer, whatever its loss mask;
+    the last token was never fed to the model, so it has no row. None: not returned (replay off)."""
     remove_sample: bool = False
     """Set by a filter to keep the sample out of training: its loss mask becomes all zeros
     (`train_loss_mask`), so it adds nothing to the loss or to the token and sequence counts that
@@ -75,8 +82,16 @@ class Sample:
         return [0] * self.response_length if self.remove_sample else self.effective_loss_mask()
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        """JSON-ready fields (the partial-rollout buffer in a checkpoint); the routing array becomes
+        `encode_array`'s compact form, not nested lists."""
+        data = {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "rollout_routed_experts"
+        }
         data["status"] = self.status.value
+        routing = self.rollout_routed_experts
+        data["rollout_routed_experts"] = None if routing is None else encode_array(np.asarray(routing))
         return data
 
     @classmethod
@@ -84,4 +99,20 @@ class Sample:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["status"] = Status(values.get("status", Status.PENDING))
+        if isinstance(values.get("rollout_routed_experts"), dict):
+            values["rollout_routed_experts"] = decode_array(values["rollout_routed_experts"])
         return cls(**values)
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    """An array as JSON: dtype, shape and base64 of its little-endian bytes (4/3 of the raw size)."""
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    data = base64.b64encode(np.ascontiguousarray(little).tobytes()).decode("ascii")
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "b64": data}
+
+
+def decode_array(encoded: dict[str, Any]) -> np.ndarray:
+    """The inverse of `encode_array` (a writable array of the native byte order)."""
+    dtype = np.dtype(encoded["dtype"]).newbyteorder("<")
+    raw = np.frombuffer(base64.b64decode(encoded["b64"]), dtype=dtype)
+    return raw.reshape(encoded["shape"]).astype(dtype.newbyteorder("="))

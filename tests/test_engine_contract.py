@@ -15,14 +15,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
+import torch
+from transformers import AutoTokenizer
 
+from examples.multi_turn_tool_generate import generate as multi_turn_generate
 from slimrl.errors import SlimError
 from slimrl.rollout.client import FleetClient
-from slimrl.rollout.generate import turn_weight_versions
+from slimrl.rollout.generate import RolloutContext, generate, sampling_params_for, turn_weight_versions
+from slimrl.rollout.sample_checks import GENERATE_KEY, check_sample, model_vocab_size
+from slimrl.sample import Sample, Status
 from slimrl.weight_sync.engines import auth_header
-from tests.engines import ENGINES, running_engines
+from tests.engines import ENGINES, engine_config, running_engines
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +44,8 @@ NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
 ADMIN_KEY = "contract-admin-key"
 """Both engines run as `slimrl train` starts them: control endpoints behind a per-run admin key."""
+REPLAY = "algorithm.routing_replay=true"
+"""...and with MoE routing replay on (SGLang gets `--enable-return-routed-experts`)."""
 
 
 def admin(path: str) -> dict[str, str]:
@@ -98,7 +106,8 @@ def engine(request, tiny_model, tmp_path_factory) -> Iterator[Engine]:
     kind = request.param
     model, other = tiny_model("qwen3_moe"), tiny_model("qwen3_moe", seed=1)
     log_dir = tmp_path_factory.mktemp(f"contract-{kind}")
-    with running_engines(kind, model, log_dir, 1, f"rollout.admin_api_key={ADMIN_KEY}") as (url,):
+    overrides = (f"rollout.admin_api_key={ADMIN_KEY}", REPLAY)
+    with running_engines(kind, model, log_dir, 1, *overrides) as (url,):
         yield Engine(kind, url, model, other)
 
 
@@ -159,6 +168,77 @@ def test_stop_reasons(engine: Engine) -> None:
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     too_long = engine.post("generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 510}})
     assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- routed experts (routing replay)
+
+
+def hf_routing(model_path: str, tokens: list[int]) -> np.ndarray:
+    """The referee: Hugging Face's Qwen3-MoE run on every token but the last (the ones an engine
+    feeds), top-k of its own router logits as its router computes it (softmax in float32, top-k)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    chosen = [
+        torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1).indices
+        for logits in out.router_logits
+    ]
+    return torch.stack(chosen, dim=1).numpy()
+
+
+def _wire(meta: dict[str, Any], layers: int = 2, top_k: int = 2) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").reshape(-1, layers, top_k)
+
+
+def test_routed_experts_are_the_hf_routers_top_k(engine: Engine) -> None:
+    """Every prompt and completion token but the last: (prompt + completion - 1, layers, top_k)
+    int32, the ids HF's router picks, in its order; `routed_experts_start_len` drops leading rows."""
+    model_path = engine.get("get_model_info").json()["model_path"]
+    sampled = {"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True, "sampling_seed": 11}
+    for prompt, params in ((PROMPT, {**GREEDY, "max_new_tokens": 7}), ([9, 40, 41, 42, 3], sampled)):
+        out = engine.generate(prompt, params, return_routed_experts=True)
+        seq = prompt + out["output_ids"]
+        routed = _wire(out["meta_info"])
+        assert routed.shape == (len(seq) - 1, 2, 2)
+        np.testing.assert_array_equal(routed, hf_routing(model_path, seq))
+        if params is sampled:
+            continue
+        later = engine.generate(prompt, params, return_routed_experts=True, routed_experts_start_len=2)
+        assert later["output_ids"] == out["output_ids"]
+        np.testing.assert_array_equal(_wire(later["meta_info"]), routed[2:])
+
+
+def test_multi_turn_and_continued_samples_hold_every_tokens_routing(engine: Engine) -> None:
+    """A multi-turn tool hook (tool tokens fed by the next call) and a continued partial sample end
+    with one row per token but the last, equal to one HF forward over the stitched sequence."""
+    model_path = engine.get("get_model_info").json()["model_path"]
+    config = engine_config(engine.kind, engine.model, REPLAY)
+    client = FleetClient([engine.url], admin_api_key=ADMIN_KEY)
+    ctx = RolloutContext(config, AutoTokenizer.from_pretrained(engine.model), client)
+    params = {**sampling_params_for(config), **GREEDY, "ignore_eos": True}
+
+    async def scenario() -> tuple[Sample, Sample]:
+        talk = Sample(index=3, group_index=1, prompt="12+30=")
+        talk = await multi_turn_generate(ctx, talk, {**params, "max_new_tokens": 60})
+        partial = Sample(index=4, group_index=2, prompt="7+8=")
+        partial = await generate(ctx, partial, {**params, "max_new_tokens": 5})
+        assert partial.status is Status.TRUNCATED and partial.rollout_routed_experts is not None
+        assert partial.rollout_routed_experts.shape[0] == len(partial.tokens) - 1
+        partial.status = Status.PENDING  # buffered by an aborted rollout, continued by the next
+        partial = await generate(ctx, partial, {**params, "max_new_tokens": 12})
+        await client.close()
+        return talk, partial
+
+    talk, partial = run(scenario)
+    assert talk.metadata["tool_turns"] == 2 and 0 in talk.effective_loss_mask()  # tool tokens fed
+    assert partial.response_length == 12
+    for one in (talk, partial):
+        check_sample(one, GENERATE_KEY, model_vocab_size(str(engine.model)), routing=ctx.routing)
+        assert one.rollout_routed_experts is not None and one.rollout_routed_experts.dtype == np.uint8
+        np.testing.assert_array_equal(one.rollout_routed_experts, hf_routing(model_path, one.tokens))
 
 
 def test_weight_versions_spans_an_update_mid_request(engine: Engine) -> None:

@@ -7,21 +7,34 @@ A custom generate (`rollout.custom_generate_function_path`) has the same signatu
 It fills `tokens`, `response_length`, `loss_mask`, `rollout_log_probs` (one entry per response
 token) and `status`; the reward is computed after it returns. `ctx.client.generate(...)` returns
 SGLang's `/generate` response dict. `apply_response` does the bookkeeping for one engine turn.
+
+MoE routing replay (`algorithm.routing_replay`): pass `**ctx.routing_request(sample)` to each
+`ctx.client.generate` call and `routing=ctx.routing` to `apply_response`; the sample then holds
+one routing row per token of its sequence (tool tokens included: their rows come with the next
+engine call). A hook that appends a turn by itself calls `routing.append_routing` instead.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.data.sft import render_prompt
+from slimrl.megatron_bridge.model_arch import read_model_arch
 from slimrl.rollout.client import FleetClient
+from slimrl.rollout.routing import RoutingLayout, append_routing, routing_request
 from slimrl.sample import Sample, Status
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
+
+EVALUATING: ContextVar[bool] = ContextVar("slimrl_evaluating", default=False)
+"""Set by the rollout for an evaluation's tasks: eval samples are never trained on, so they do not
+ask for routed experts (which would cost bytes and bypass the router)."""
 
 PROMPT_CACHE_SIZE = 4096
 """Rendered prompts kept per context: the samples of a group share one prompt, so a rollout
@@ -55,6 +68,23 @@ class RolloutContext:
             self._prompt_ids.move_to_end(prompt)
         return list(ids)
 
+    @cached_property
+    def replay_layout(self) -> RoutingLayout | None:
+        """The routing every training sample must carry; None without `algorithm.routing_replay`."""
+        if not self.config.algorithm.routing_replay:
+            return None
+        return RoutingLayout.of(read_model_arch(self.config.model.hf_checkpoint, self.config.model.overrides))
+
+    @property
+    def routing(self) -> RoutingLayout | None:
+        """`replay_layout` while generating training samples; None in an evaluation."""
+        return None if EVALUATING.get() else self.replay_layout
+
+    def routing_request(self, sample: Sample) -> dict[str, Any]:
+        """Extra `/generate` fields for `sample`'s next engine call: the routing rows it lacks when
+        replay is on, nothing otherwise."""
+        return {} if self.routing is None else routing_request(sample)
+
 
 def sampling_params_for(config: SlimConfig, evaluation: bool = False) -> dict[str, Any]:
     sampling = config.eval.sampling if evaluation else config.rollout.sampling
@@ -74,8 +104,11 @@ def sampling_params_for(config: SlimConfig, evaluation: bool = False) -> dict[st
     return params
 
 
-def apply_response(sample: Sample, response: dict[str, Any], loss_mask_value: int = 1) -> list[int]:
-    """Append one engine turn to the sample; returns the new token ids."""
+def apply_response(
+    sample: Sample, response: dict[str, Any], loss_mask_value: int = 1, routing: RoutingLayout | None = None
+) -> list[int]:
+    """Append one engine turn to the sample; returns the new token ids. With `routing`
+    (`ctx.routing`), the turn's routed experts are appended too."""
     meta = response.get("meta_info", {})
     triples = meta.get("output_token_logprobs") or []
     new_tokens = [int(t[1]) for t in triples] if triples else list(response.get("output_ids", []))
@@ -88,8 +121,8 @@ def apply_response(sample: Sample, response: dict[str, Any], loss_mask_value: in
     sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *logprobs]
     sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "abort"), Status.ABORTED)
     sample.weight_versions.extend(turn_weight_versions(meta))
-    if meta.get("routed_experts") is not None:
-        sample.metadata["routed_experts_b64"] = meta["routed_experts"]
+    if routing is not None:
+        append_routing(sample, response, routing)
     return new_tokens
 
 
@@ -120,6 +153,7 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
         sampling_params=params,
         return_logprob=True,
         rid=sample.metadata.get("rid"),
+        **ctx.routing_request(sample),
     )
-    apply_response(sample, response)
+    apply_response(sample, response, routing=ctx.routing)
     return sample

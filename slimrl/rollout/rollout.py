@@ -21,7 +21,7 @@ from typing import Any
 from slimrl.errors import SlimError
 from slimrl.rollout.client import RID_PREFIX, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group, load_buffer_filter
-from slimrl.rollout.generate import RolloutContext, generate, sampling_params_for
+from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampling_params_for
 from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
 from slimrl.rollout.sample_checks import GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
@@ -97,6 +97,8 @@ class _GroupRunner:
         self.hook = GENERATE_KEY if ctx.config.rollout.custom_generate_function_path else "generate"
         self.vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
         self.params = sampling_params_for(ctx.config, evaluation)
+        self.evaluation = evaluation
+        self.routing = None if evaluation else ctx.replay_layout
         self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
         self.stopping = False
@@ -112,6 +114,7 @@ class _GroupRunner:
             rid = f"{self.rid_prefix}{sample.index}-{sample.response_length}"
             sample.metadata["rid"] = rid
             RID_PREFIX.set(f"{rid}-")  # this task only: a hook's own requests share the prefix
+            EVALUATING.set(self.evaluation)  # this task only: eval samples ask for no routing
             params = {**self.params, "sampling_seed": self.ctx.config.run.seed * 1_000_003 + sample.index}
             try:
                 result = await self.generate(self.ctx, sample, params)
@@ -131,7 +134,7 @@ class _GroupRunner:
                 f"non-empty list[Sample], got {type(result).__name__}"
             )
         for one in samples:
-            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping)
+            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, routing=self.routing)
         return samples
 
     async def run_group(self, group: Group) -> Group:
@@ -164,11 +167,16 @@ async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool 
     check_hooks(ctx.config)
     custom = load_rollout_fn(ctx.config)
     if custom is not None:
-        groups = await custom(ctx, source, evaluation)
+        token = EVALUATING.set(evaluation)
+        try:
+            groups = await custom(ctx, source, evaluation)
+        finally:
+            EVALUATING.reset(token)
         _check_groups(groups)
         vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
+        routing = None if evaluation else ctx.replay_layout
         for sample in (s for group in groups for s in group):
-            check_sample(sample, ROLLOUT_KEY, vocab_size)
+            check_sample(sample, ROLLOUT_KEY, vocab_size, routing=routing)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)

@@ -19,7 +19,10 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from slimrl.errors import SlimError
+from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Sample, Status
 
 GENERATE_KEY = "rollout.custom_generate_function_path"
@@ -38,10 +41,17 @@ def model_vocab_size(hf_checkpoint: str) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def check_sample(sample: Sample, hook: str, vocab_size: int | None, allow_pending: bool = False) -> None:
+def check_sample(
+    sample: Sample,
+    hook: str,
+    vocab_size: int | None,
+    allow_pending: bool = False,
+    routing: RoutingLayout | None = None,
+) -> None:
     """Raise one line if `sample` cannot be trained on; normalise what is merely loosely typed
     (numpy integers, a status given as its string value) in place. `allow_pending`: the rollout
-    is aborting its requests, so an unfinished sample is expected (it is buffered or dropped)."""
+    is aborting its requests, so an unfinished sample is expected (it is buffered or dropped).
+    `routing` (routing replay on): a finished sample must carry that routing for every token."""
 
     def fail(field: str, problem: str) -> SlimError:
         return SlimError(f"{hook}: sample {sample.index}: {field} {problem}")
@@ -68,6 +78,34 @@ def check_sample(sample: Sample, hook: str, vocab_size: int | None, allow_pendin
         ):
             raise fail("rollout_log_probs", "must be finite log-probabilities (floats <= 0)")
         sample.rollout_log_probs = [float(v) for v in logps]
+    if routing is not None and sample.status in (Status.COMPLETED, Status.TRUNCATED):
+        sample.rollout_routed_experts = _routing(sample, hook, routing)
+
+
+def _routing(sample: Sample, hook: str, layout: RoutingLayout) -> np.ndarray:
+    """The sample's routing as `layout` says, or one line naming the sample and both shapes. An
+    unfinished sample may lack rows (an aborted turn returns none; its continuation asks for them)."""
+    who = f"{hook}: sample {sample.index} (group {sample.group_index}): rollout_routed_experts"
+    expected = layout.shape(len(sample.tokens))
+    if sample.rollout_routed_experts is None:
+        raise SlimError(
+            f"{who} is missing but algorithm.routing_replay=true: the engine returned no routed experts "
+            "(an SGLang launched without --enable-return-routed-experts or too old to return them, or a "
+            "hook that did not ask: pass **ctx.routing_request(sample) to ctx.client.generate)"
+        )
+    array = np.asarray(sample.rollout_routed_experts)
+    if array.shape != expected or not np.issubdtype(array.dtype, np.integer):
+        raise SlimError(
+            f"{who} has shape {array.shape} ({array.dtype}); expected {expected} integers (len(tokens) - 1 "
+            f"= {expected[0]}, MoE layers = {expected[1]}, top_k = {expected[2]})"
+        )
+    if array.size and not 0 <= array.min() <= array.max() < layout.num_experts:
+        bad = array.min() if array.min() < 0 else array.max()
+        raise SlimError(
+            f"{who} holds expert id {int(bad)}; the model has {layout.num_experts} experts "
+            f"(ids 0..{layout.num_experts - 1})"
+        )
+    return array.astype(layout.dtype, copy=False)
 
 
 def _status(status: Any, fail: Any, allow_pending: bool) -> Status:

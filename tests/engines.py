@@ -1,11 +1,17 @@
 """Start inference servers for tests through slimrl's own launch code: the real SGLang server
-(`rollout.engine=sglang`, the referee) or the embedded engine. Nothing here imitates SGLang."""
+(`rollout.engine=sglang`, the referee) or the embedded engine. Nothing here imitates SGLang.
+`hf_routing` is the referee of routed experts: Hugging Face's own router."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 from slimrl.config import load_config
 from slimrl.rollout.servers import ServerProcess, start_server
@@ -40,3 +46,24 @@ def running_engines(
     finally:
         for server in servers:
             server.stop()
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def hf_routing(model_path: str | Path, tokens: list[int]) -> np.ndarray:
+    """The referee: Hugging Face's Qwen3-MoE run on every token but the last (the ones an engine
+    feeds), top-k of its own router logits as its router computes it (softmax in float32, top-k)."""
+    model = _hf_model(str(model_path))
+    with torch.no_grad():
+        out = model(torch.tensor([tokens[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    chosen = [
+        torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1).indices
+        for logits in out.router_logits
+    ]
+    return torch.stack(chosen, dim=1).numpy()

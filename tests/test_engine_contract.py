@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
-import torch
 from transformers import AutoTokenizer
 
 from examples.multi_turn_tool_generate import generate as multi_turn_generate
@@ -28,7 +27,7 @@ from slimrl.rollout.generate import RolloutContext, generate, sampling_params_fo
 from slimrl.rollout.sample_checks import GENERATE_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.weight_sync.engines import auth_header
-from tests.engines import ENGINES, engine_config, running_engines
+from tests.engines import ENGINES, engine_config, hf_routing, running_engines
 
 pytestmark = pytest.mark.slow
 
@@ -171,22 +170,6 @@ def test_stop_reasons(engine: Engine) -> None:
 
 
 # ---------------------------------------------------------------------- routed experts (routing replay)
-
-
-def hf_routing(model_path: str, tokens: list[int]) -> np.ndarray:
-    """The referee: Hugging Face's Qwen3-MoE run on every token but the last (the ones an engine
-    feeds), top-k of its own router logits as its router computes it (softmax in float32, top-k)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model(torch.tensor([tokens[:-1]]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    chosen = [
-        torch.topk(torch.softmax(logits, -1, dtype=torch.float), k, dim=-1).indices
-        for logits in out.router_logits
-    ]
-    return torch.stack(chosen, dim=1).numpy()
 
 
 def _wire(meta: dict[str, Any], layers: int = 2, top_k: int = 2) -> np.ndarray:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 from transformers import AutoTokenizer
@@ -31,6 +32,7 @@ from slimrl.rollout.generate import RolloutContext, apply_response
 from slimrl.rollout.rewards import scalar_reward, toy_reward
 from slimrl.rollout.rollout import RolloutResult, run_rollout
 from slimrl.sample import Sample, Status
+from tests.engines import hf_routing
 
 pytestmark = pytest.mark.slow
 FINISHED = (Status.COMPLETED, Status.TRUNCATED)
@@ -222,6 +224,35 @@ def test_partial_rollout_buffers_unfinished_groups_and_continues_them(fleet, bas
         if old.status in FINISHED:  # finished before the abort: kept as it was, not regenerated
             assert new.tokens == old.tokens
     assert any(continued[s.index].response_length > before[s.index].response_length for s in partial)
+
+
+def test_routing_replay_survives_partial_rollout_and_a_checkpoint(fleet, base_config, tokenizer) -> None:
+    """With replay on, aborted samples are buffered with the routing they have, go through the
+    checkpoint's JSON, and are continued; every trained sample ends with one row per token but the
+    last, equal to Hugging Face's router over its whole sequence. Eval samples carry none."""
+    config = configure(
+        base_config,
+        algorithm={"routing_replay": True},
+        rollout={"rollout_batch_size": 1, "over_sampling_batch_size": 4, "partial_rollout": True,
+                 "max_concurrency": 8, "sampling.max_new_tokens": 60, "sampling.temperature": 1.0},
+    )  # fmt: skip
+    source = DataSource(config)
+    first = rollout(fleet, config, tokenizer, source, rollout_id=0)
+    partial = {s.index: s.response_length for g in source.buffer for s in g if s.status == Status.PENDING}
+    assert any(partial.values()), "no group was stopped mid-generation"
+    restored = DataSource(config)
+    restored.load_state_dict(json.loads(json.dumps(source.state_dict())))  # as driver_state.json holds it
+    config_next = configure(config, rollout={"rollout_batch_size": 3, "over_sampling_batch_size": None})
+    second = rollout(fleet, config_next, tokenizer, restored, rollout_id=1)
+    samples = [s for result in (first, second) for g in result.groups for s in g]
+    assert len(samples) == 16 and any(s.response_length > partial.get(s.index, 60) for s in samples)
+    for sample in samples:
+        routing = sample.rollout_routed_experts
+        assert routing is not None and routing.dtype == np.uint8
+        np.testing.assert_array_equal(routing, hf_routing(config.model.hf_checkpoint, sample.tokens))
+    heldout = DataSource(config, config.eval.datasets["heldout"], shuffle=False)
+    evaluated = rollout(fleet, config, tokenizer, heldout, evaluation=True)
+    assert all(s.rollout_routed_experts is None for g in evaluated.groups for s in g)
 
 
 def test_eval_rollout_is_greedy_over_every_prompt_once(fleet, base_config, tokenizer) -> None:

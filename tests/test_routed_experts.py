@@ -86,6 +86,20 @@ def test_turns_stitch_one_row_per_token_but_the_last() -> None:
     check_sample(sample, GENERATE_KEY, 50, routing=TINY)
 
 
+def test_an_aborted_turn_without_full_routing_is_asked_again_by_the_continuation() -> None:
+    """Aborted before its prefill ran, a turn returns no rows for its tokens: the sample keeps what
+    it had, and its continuation asks from there."""
+    full = routed(6)
+    sample = Sample(index=5, tokens=[1, 2, 3])
+    aborted = turn([4], full[:0])
+    aborted["meta_info"]["finish_reason"] = {"type": "abort"}
+    apply_response(sample, aborted, routing=TINY)
+    assert sample.rollout_routed_experts is None and sample.status is Status.ABORTED
+    assert routing_request(sample)["routed_experts_start_len"] == 0
+    apply_response(sample, turn([5, 6, 7], full), routing=TINY)
+    np.testing.assert_array_equal(sample.rollout_routed_experts, full)
+
+
 def test_sglang_columns_for_dense_layers_are_dropped_and_ids_above_255_kept() -> None:
     """SGLang sends one column per decoder layer; the sample keeps the MoE layers only."""
     all_layers = np.stack([np.full((4, 2), 0), np.full((4, 2), 299), np.full((4, 2), 7)], axis=1)

@@ -59,6 +59,10 @@ class RoutingLayout:
         """The routing shape of a sequence of `tokens` tokens."""
         return (max(tokens - 1, 0), len(self.moe_layers), self.top_k)
 
+    def fits(self, ids: int, rows: int) -> bool:
+        """Whether `ids` wire values are `rows` rows (one column per decoder layer or per MoE layer)."""
+        return ids in (rows * self.num_layers * self.top_k, rows * len(self.moe_layers) * self.top_k)
+
     def bytes_per_token(self) -> int:
         return len(self.moe_layers) * self.top_k * self.dtype.itemsize
 
@@ -80,12 +84,18 @@ def append_routing(sample: Sample, response: dict[str, Any], layout: RoutingLayo
 
     The request must have been made with `routing_request(sample)` before the turn (start =
     rows held). An answer without routing (an engine launched without routed experts) leaves the
-    sample short; `check_sample` refuses it once the sample is finished."""
-    encoded = response.get("meta_info", {}).get("routed_experts")
+    sample short; `check_sample` refuses it once the sample is finished. So does an aborted turn
+    whose routing does not cover its tokens (aborted before its prefill ran): a continuation asks
+    for those rows again."""
+    meta = response.get("meta_info", {})
+    encoded = meta.get("routed_experts")
     if encoded is None:
         return
     held = routed_rows(sample)
     rows = max(len(sample.tokens) - 1 - held, 0)
+    aborted = (meta.get("finish_reason") or {}).get("type") == "abort"
+    if aborted and not layout.fits(len(base64.b64decode(encoded)) // 4, rows):
+        return
     new = decode_routed_experts(encoded, rows, layout, f"sample {sample.index} (group {sample.group_index})")
     old = sample.rollout_routed_experts
     sample.rollout_routed_experts = new if old is None or not held else np.concatenate([old, new])

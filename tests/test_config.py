@@ -223,7 +223,8 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
         (["algorithm.grpo_std=sample"], "algorithm.grpo_std=sample: not one of unbiased, population"),
         (["algorithm.advantage_estimator=dr_grpo"], "algorithm.advantage_estimator=dr_grpo: not one of grpo"),
         (
-            ["train.num_steps=10", "train.lr_schedule.decay_style=cosine", "train.lr_schedule.warmup_steps=10"],
+            ["train.num_steps=10", "train.lr_schedule.decay_style=cosine",
+             "train.lr_schedule.warmup_steps=10"],
             "train.lr_schedule.warmup_steps=10: must be below the run's optimizer steps (10) for "
             "decay_style=cosine",
         ),

@@ -107,25 +107,9 @@ def _time_replay_work() -> list[float]:
 
 
 def _load_config(overrides: list[str]):
-    """TEMPORARY until the schema declares `algorithm.routing_replay` (the engine slice adds it):
-    without the key, the loaded algorithm section is swapped for one that has it, set."""
-    import dataclasses
-
     from slimrl.config import load_config
-    from slimrl.config.schema import AlgorithmConfig
 
-    if "routing_replay" in {f.name for f in dataclasses.fields(AlgorithmConfig)}:
-        return load_config(None, [*overrides, "algorithm.routing_replay=true"])
-    config = load_config(None, overrides)
-
-    @dataclasses.dataclass(kw_only=True, slots=True)
-    class WithReplay(AlgorithmConfig):
-        routing_replay: bool = True
-
-    config.algorithm = WithReplay(
-        **{f.name: getattr(config.algorithm, f.name) for f in dataclasses.fields(AlgorithmConfig)}
-    )
-    return config
+    return load_config(None, [*overrides, "algorithm.routing_replay=true"])
 
 
 def main() -> int:

@@ -33,6 +33,17 @@ class Status(StrEnum):
     FAILED = "failed"
 
 
+def invalid_expert_id(routing: np.ndarray, num_experts: int) -> int | None:
+    """The first-found id outside 0..num_experts-1 in a routing array (its minimum if negative, else
+    its maximum), or None when every id is valid: what the engine, hook and trainer checks report."""
+    if not routing.size:
+        return None
+    low, high = int(routing.min()), int(routing.max())
+    if low < 0:
+        return low
+    return high if high >= num_experts else None
+
+
 @dataclass(kw_only=True)
 class Sample:
     group_index: int = 0

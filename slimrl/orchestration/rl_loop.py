@@ -143,8 +143,7 @@ def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
         "advantages": [[a] * s.response_length for a, s in zip(advantages, samples, strict=True)],
         "rollout_log_probs": [list(s.rollout_log_probs or [0.0] * s.response_length) for s in samples],
     }
-    # TODO(trainer): plain attribute once the engine slice adds `algorithm.routing_replay`.
-    return split_for_dp(samples, dp, per_token, routing=getattr(config.algorithm, "routing_replay", False))
+    return split_for_dp(samples, dp, per_token, routing=config.algorithm.routing_replay)
 
 
 def oldest_weight_version(groups: list[list[Sample]]) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.model_arch import ModelArch
-from slimrl.sample import Sample
+from slimrl.sample import Sample, invalid_expert_id
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -118,10 +118,9 @@ def decode_routed_experts(encoded: str, rows: int, layout: RoutingLayout, who: s
             f"{who}: the engine returned {flat.size} routed-expert ids for {rows} new tokens; expected "
             f"{rows} x {moe} MoE layers x top-{k} = {rows * moe * k} (routing from another model?)"
         )
-    if array.size and not 0 <= array.min() <= array.max() < layout.num_experts:
-        bad = array.min() if array.min() < 0 else array.max()
+    if (bad := invalid_expert_id(array, layout.num_experts)) is not None:
         raise SlimError(
-            f"{who}: the engine returned expert id {int(bad)}; the model has {layout.num_experts} experts "
+            f"{who}: the engine returned expert id {bad}; the model has {layout.num_experts} experts "
             "(routing from another model?)"
         )
     return array.astype(layout.dtype)

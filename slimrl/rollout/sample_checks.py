@@ -23,7 +23,7 @@ import numpy as np
 
 from slimrl.errors import SlimError
 from slimrl.rollout.routing import RoutingLayout
-from slimrl.sample import Sample, Status
+from slimrl.sample import Sample, Status, invalid_expert_id
 
 GENERATE_KEY = "rollout.custom_generate_function_path"
 ROLLOUT_KEY = "rollout.rollout_function_path"
@@ -99,10 +99,9 @@ def _routing(sample: Sample, hook: str, layout: RoutingLayout) -> np.ndarray:
             f"{who} has shape {array.shape} ({array.dtype}); expected {expected} integers (len(tokens) - 1 "
             f"= {expected[0]}, MoE layers = {expected[1]}, top_k = {expected[2]})"
         )
-    if array.size and not 0 <= array.min() <= array.max() < layout.num_experts:
-        bad = array.min() if array.min() < 0 else array.max()
+    if (bad := invalid_expert_id(array, layout.num_experts)) is not None:
         raise SlimError(
-            f"{who} holds expert id {int(bad)}; the model has {layout.num_experts} experts "
+            f"{who} holds expert id {bad}; the model has {layout.num_experts} experts "
             f"(ids 0..{layout.num_experts - 1})"
         )
     return array.astype(layout.dtype, copy=False)

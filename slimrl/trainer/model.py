@@ -33,7 +33,7 @@ def build_options(config: SlimConfig, use_cuda: bool) -> BuildOptions:
         recompute=config.parallel.recompute,
         deterministic=config.algorithm.true_on_policy,
         # TODO(trainer): plain attribute once the engine slice adds `algorithm.routing_replay`.
-        routing_replay=getattr(config.algorithm, "routing_replay", False),
+        routing_replay=config.algorithm.routing_replay,
     )
 
 

@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.sample import invalid_expert_id
 from slimrl.trainer.batch import MicroBatch, TrainBatch
 
 TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -134,11 +135,10 @@ def check_routing(batch: TrainBatch, arch: ModelArch) -> None:
             )
         if not array.size:
             continue
-        bad = array.min() if array.min() < 0 else array.max()
-        if not 0 <= bad < arch.num_experts:
+        if (bad := invalid_expert_id(array, arch.num_experts)) is not None:
             raise SlimError(
                 f"sample {batch.sample_indices[k]}: rollout_routed_experts holds expert id "
-                f"{int(bad)}, valid ids are 0..{arch.num_experts - 1}"
+                f"{bad}, valid ids are 0..{arch.num_experts - 1}"
             )
         ordered = np.sort(array, axis=-1)
         repeated = np.argwhere(ordered[..., 1:] == ordered[..., :-1])

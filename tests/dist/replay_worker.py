@@ -47,28 +47,9 @@ def by_sample(batch: TrainBatch, logprobs: dict[int, list[float]]) -> dict[str, 
     return {str(batch.sample_indices[k]): v for k, v in logprobs.items()}
 
 
-def _load(overrides: list[str]):
-    """TEMPORARY until the schema declares algorithm.routing_replay."""
-    import dataclasses
-
-    from slimrl.config.schema import AlgorithmConfig
-
-    if "routing_replay" in {f.name for f in dataclasses.fields(AlgorithmConfig)}:
-        return load_config(None, overrides)
-    config = load_config(None, [o for o in overrides if not o.startswith("algorithm.routing_replay")])
-
-    @dataclasses.dataclass(kw_only=True, slots=True)
-    class WithReplay(AlgorithmConfig):
-        routing_replay: bool = True
-
-    values = {f.name: getattr(config.algorithm, f.name) for f in dataclasses.fields(AlgorithmConfig)}
-    config.algorithm = WithReplay(**values)
-    return config
-
-
 def main() -> None:
     out_dir, data_path = Path(sys.argv[1]), sys.argv[2]
-    config = _load(sys.argv[3:])
+    config = load_config(None, sys.argv[3:])
     info = RankInfo.from_env()
     actor = MegatronActor(config, info)
     actor.setup(total_steps=2)

@@ -60,6 +60,19 @@ def test_bad_hook_samples_are_one_line_naming_hook_sample_and_field(fields, fiel
     assert message.startswith(f"{GENERATE_KEY}: sample 7: {field} ") and needle in message, message
 
 
+def test_a_finished_sample_longer_than_max_seq_len_is_one_line() -> None:
+    check_sample(sample(), GENERATE_KEY, VOCAB, max_seq_len=5)  # exactly the limit fits
+    check_sample(sample(status=Status.ABORTED), GENERATE_KEY, VOCAB, max_seq_len=4)  # continued later
+    with pytest.raises(SlimError) as err:
+        check_sample(sample(), GENERATE_KEY, VOCAB, max_seq_len=4)
+    assert str(err.value) == (
+        f"{GENERATE_KEY}: sample 7: tokens has 5 tokens (3 prompt + 2 response), more than "
+        "train.max_seq_len=4; raise train.max_seq_len or make the hook stop its turns within it"
+    )
+    with pytest.raises(SlimError, match=r"or set data\.max_prompt_tokens so prompt"):
+        check_sample(sample(status=Status.TRUNCATED), "generate", VOCAB, max_seq_len=4)
+
+
 def test_loosely_typed_but_meaningful_samples_are_normalised() -> None:
     """numpy ids and a status given as its string value are what a hook naturally returns."""
     one = sample(tokens=list(np.array([1, 2, 3, 4, 5])), status="truncated", response_length=np.int64(2))

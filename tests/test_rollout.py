@@ -342,6 +342,21 @@ def test_a_hook_that_forgets_status_is_named_not_silently_dropped(fleet, base_co
     assert "status is still pending: the hook must set it" in str(err.value)
 
 
+def test_a_hook_sample_longer_than_max_seq_len_is_named(fleet, base_config, tokenizer) -> None:
+    """Multi-turn hooks and prompts without data.max_prompt_tokens escape the load-time length
+    check; the first finished sample that does not fit stops the rollout in one line."""
+    config = configure(
+        base_config,
+        rollout={"custom_generate_function_path": "test_rollout.one_long_turn", "rollout_batch_size": 1},
+        train={"max_seq_len": 64},
+    )
+    with pytest.raises(SlimError) as err:
+        rollout(fleet, config, tokenizer, DataSource(config))
+    message = str(err.value)
+    assert message.startswith("rollout.custom_generate_function_path: sample ") and "\n" not in message
+    assert "response), more than train.max_seq_len=64; raise train.max_seq_len or make the hook" in message
+
+
 def test_rollout_abort_reaches_the_requests_of_a_generate_hook(fleet, base_config, tokenizer) -> None:
     """The hook never passes a rid; its requests still carry the rollout's prefix and get aborted.
 

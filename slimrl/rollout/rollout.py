@@ -99,6 +99,7 @@ class _GroupRunner:
         self.params = sampling_params_for(ctx.config, evaluation)
         self.evaluation = evaluation
         self.routing = None if evaluation else ctx.replay_layout
+        self.max_seq_len = None if evaluation else ctx.config.train.max_seq_len
         self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
         self.stopping = False
@@ -134,7 +135,14 @@ class _GroupRunner:
                 f"non-empty list[Sample], got {type(result).__name__}"
             )
         for one in samples:
-            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, routing=self.routing)
+            check_sample(
+                one,
+                self.hook,
+                self.vocab_size,
+                allow_pending=self.stopping,
+                routing=self.routing,
+                max_seq_len=self.max_seq_len,
+            )
         return samples
 
     async def run_group(self, group: Group) -> Group:
@@ -175,8 +183,9 @@ async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool 
         _check_groups(groups)
         vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
         routing = None if evaluation else ctx.replay_layout
+        max_seq_len = None if evaluation else ctx.config.train.max_seq_len
         for sample in (s for group in groups for s in group):
-            check_sample(sample, ROLLOUT_KEY, vocab_size, routing=routing)
+            check_sample(sample, ROLLOUT_KEY, vocab_size, routing=routing, max_seq_len=max_seq_len)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)

@@ -47,11 +47,13 @@ def check_sample(
     vocab_size: int | None,
     allow_pending: bool = False,
     routing: RoutingLayout | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """Raise one line if `sample` cannot be trained on; normalise what is merely loosely typed
     (numpy integers, a status given as its string value) in place. `allow_pending`: the rollout
     is aborting its requests, so an unfinished sample is expected (it is buffered or dropped).
-    `routing` (routing replay on): a finished sample must carry that routing for every token."""
+    `routing` (routing replay on): a finished sample must carry that routing for every token.
+    `max_seq_len` (`train.max_seq_len`, training rollouts): a finished sample fits in it."""
 
     def fail(field: str, problem: str) -> SlimError:
         return SlimError(f"{hook}: sample {sample.index}: {field} {problem}")
@@ -64,6 +66,9 @@ def check_sample(
             "response_length", f"is {length!r}; expected an int in [0, len(tokens)={len(sample.tokens)}]"
         )
     sample.response_length = n = int(length)
+    finished = sample.status in (Status.COMPLETED, Status.TRUNCATED)
+    if max_seq_len is not None and finished and len(sample.tokens) > max_seq_len:
+        raise fail("tokens", _too_long(len(sample.tokens), n, max_seq_len, hook))
     if sample.loss_mask is not None:
         mask = _per_response_token(sample.loss_mask, "loss_mask", n, fail)
         if not all(m in (0, 1) for m in mask):
@@ -78,8 +83,22 @@ def check_sample(
         ):
             raise fail("rollout_log_probs", "must be finite log-probabilities (floats <= 0)")
         sample.rollout_log_probs = [float(v) for v in logps]
-    if routing is not None and sample.status in (Status.COMPLETED, Status.TRUNCATED):
+    if routing is not None and finished:
         sample.rollout_routed_experts = _routing(sample, hook, routing)
+
+
+def _too_long(length: int, response_length: int, max_seq_len: int, hook: str) -> str:
+    """Why a sample longer than `train.max_seq_len` is refused rather than cut: the memory plan and
+    micro-batching are sized by it, and cutting would train on a sequence the engine never saw."""
+    fix = (
+        "set data.max_prompt_tokens so prompt + rollout.sampling.max_new_tokens fits"
+        if hook == "generate"
+        else "make the hook stop its turns within it"
+    )
+    return (
+        f"has {length} tokens ({length - response_length} prompt + {response_length} response), more "
+        f"than train.max_seq_len={max_seq_len}; raise train.max_seq_len or {fix}"
+    )
 
 
 def _routing(sample: Sample, hook: str, layout: RoutingLayout) -> np.ndarray:

@@ -146,6 +146,19 @@ def test_routing_replay_is_refused_at_load_on_a_dense_model_and_for_sft(tiny_mod
     assert load_config(None, _base(moe, "algorithm.routing_replay=true")).algorithm.routing_replay
 
 
+def test_routing_replay_counterfactual_needs_replay(moe):
+    """The counterfactual compares against replay: without replay it would measure nothing."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, _base(moe, "algorithm.routing_replay_counterfactual=true"))
+    assert str(info.value) == (
+        "algorithm.routing_replay_counterfactual=true: it scores the batch without routing replay for "
+        "comparison, which needs algorithm.routing_replay=true; set that to true or this to false"
+    )
+    both = _base(moe, "algorithm.routing_replay=true", "algorithm.routing_replay_counterfactual=true")
+    assert load_config(None, both).algorithm.routing_replay_counterfactual
+    assert not load_config(None, _base(moe)).algorithm.routing_replay_counterfactual
+
+
 def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
     """Big-model configs load as shipped (their config.json lives in configs/models/); tiny ones
     get the local tiny model and data."""
@@ -223,14 +236,20 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
         (["algorithm.grpo_std=sample"], "algorithm.grpo_std=sample: not one of unbiased, population"),
         (["algorithm.advantage_estimator=dr_grpo"], "algorithm.advantage_estimator=dr_grpo: not one of grpo"),
         (
-            ["train.num_steps=10", "train.lr_schedule.decay_style=cosine",
-             "train.lr_schedule.warmup_steps=10"],
+            [
+                "train.num_steps=10",
+                "train.lr_schedule.decay_style=cosine",
+                "train.lr_schedule.warmup_steps=10",
+            ],
             "train.lr_schedule.warmup_steps=10: must be below the run's optimizer steps (10) for "
             "decay_style=cosine",
         ),
         (
-            ["train.lr_schedule.decay_style=linear", "train.lr_schedule.decay_steps=5",
-             "train.lr_schedule.warmup_steps=8"],
+            [
+                "train.lr_schedule.decay_style=linear",
+                "train.lr_schedule.decay_steps=5",
+                "train.lr_schedule.warmup_steps=8",
+            ],
             "train.lr_schedule.warmup_steps=8: must be below train.lr_schedule.decay_steps (5)",
         ),
         (

@@ -400,6 +400,12 @@ def _check_parallel(config: SlimConfig) -> None:
 def _check_routing_replay(config: SlimConfig, arch: ModelArch) -> None:
     """Replay needs routed experts to replay: an MoE model, and engines that sample (not SFT)."""
     if not config.algorithm.routing_replay:
+        if config.algorithm.routing_replay_counterfactual:
+            raise ConfigError(
+                "algorithm.routing_replay_counterfactual=true: it scores the batch without routing "
+                "replay for comparison, which needs algorithm.routing_replay=true; set that to true "
+                "or this to false"
+            )
         return
     if config.algorithm.loss == "sft":
         raise ConfigError(

@@ -301,6 +301,11 @@ class AlgorithmConfig:
     (`Sample.rollout_routed_experts`) and every trainer forward of the policy uses exactly those, so a
     tiny numeric difference cannot flip a token's experts between rollout and training (see
     docs/true_on_policy.md; storage and bytes: docs/rollout.md). MoE models and RL only."""
+    routing_replay_counterfactual: bool = False
+    """Diagnosis for `routing_replay`: every step also scores the batch once more with the routers
+    choosing for themselves (one extra forward-only pass) and reports the train/rollout mismatch
+    had the trainer not replayed, as `train/train_rollout_logprob_abs_diff_no_replay` (and the
+    other mismatch metrics with `_no_replay`). Needs `routing_replay: true`."""
     async_staleness: int = 0
     """0: synchronous. 1: rollout of step k+1 overlaps training on step k (disaggregated)."""
 

@@ -118,7 +118,7 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     elif not fused_old_logprobs(actor.config):
         _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
         metrics.update(routing_disagreement(actor))
-    if actor.routing is not None and routing_counterfactual(actor.config):
+    if actor.routing is not None and algo.routing_replay_counterfactual:
         metrics.update(counterfactual_mismatch(actor, batch))
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
     if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
@@ -126,12 +126,6 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     if _last_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
-
-
-def routing_counterfactual(config: SlimConfig) -> bool:
-    """`algorithm.routing_replay_counterfactual`: also score the batch without replay (diagnosis)."""
-    # TODO(trainer): plain attribute once the schema declares it (the config slice's file).
-    return bool(getattr(config.algorithm, "routing_replay_counterfactual", False))
 
 
 def routing_disagreement(actor: MegatronActor) -> dict[str, float]:

@@ -1,4 +1,4 @@
-# Shared by start_cluster.sh and stop_cluster.sh (sourced, not run).
+# Shared by the start_*/stop_* scripts here (sourced, not run).
 #
 # The local cluster must never touch daemons it did not start: the machine may already run a
 # munged or a Slurm of its own. So every daemon we start is recorded as "pid starttime comm"
@@ -78,4 +78,31 @@ stop_ours() {
     log "stopped ${names[$i]} (pid ${pids[$i]})"
   done
   for name in "$@"; do rm -f "$RUN_DIR/$name.rec"; done
+}
+
+# start_daemon NAME PIDFILE CMD...: start unless already running; record it only if we started it.
+# NAME is the process name (comm), optionally followed by @instance (slurmd@node2: one per host).
+start_daemon() {
+  local name=$1 pidfile=$2 pid i comm=${1%%@*}
+  shift 2
+  if pid=$(our_pid "$name"); then
+    log "$name already running (ours, pid $pid)"
+    return 0
+  fi
+  if pid=$(pidfile_pid "$pidfile" "$comm"); then
+    log "$name already running (pid $pid, not started by us: left alone)"
+    return 0
+  fi
+  rm -f "$pidfile"
+  "$@" || die "$name failed to start; see its log under /var/log"
+  # The daemons fork into the background and write their pidfile once they are up.
+  for ((i = 0; i < 150; i++)); do
+    if pid=$(pidfile_pid "$pidfile" "$comm"); then
+      record_pid "$name" "$pid"
+      log "started $name (pid $pid)"
+      return 0
+    fi
+    sleep 0.1
+  done
+  die "$name did not write $pidfile within 15 s; see its log under /var/log"
 }

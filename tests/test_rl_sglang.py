@@ -1,8 +1,9 @@
 """The RL loop against the real SGLang 0.5.23 server on CPU (the referee): GRPO colocated over
 shared memory, disaggregated and asynchronous over a broadcast group, and over disk; an engine
-killed mid-run is restarted and re-synced. The order of the control calls each engine received is
-read from its own access log, and the colocated memory handoff is asserted on the embedded engine
-(SGLang's memory release needs CUDA)."""
+killed mid-run is restarted and re-synced. The learning run (colocated) and the disaggregated one
+replay the engine's MoE routing under EP2 (`algorithm.routing_replay`). The order of the control
+calls each engine received is read from its own access log, and the colocated memory handoff is
+asserted on the embedded engine (SGLang's memory release needs CUDA)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ SYNC_CALLS = {
 }  # fmt: skip
 # Real SGLang on float32 CPU computes the trainer's logprobs to within this after every sync.
 SYNCED = 1e-5
+# ... and every single token to within this with routing replay on the engine's experts (fp32 both
+# sides: rounding only; measured max 9.5e-7 over 30 colocated EP2 steps, mean 7e-8 to 1.4e-7).
+REPLAYED_MAX = 1e-5
+REPLAY = re.compile(r"train/(routing_disagreement|train_rollout_(logprob_abs_diff|prob_ratio).*)")
 
 
 def control_calls(log: Path) -> list[str]:
@@ -39,6 +44,11 @@ def control_calls(log: Path) -> list[str]:
     calls = [(m[1], m[2]) for m in ACCESS.finditer(log.read_text(errors="replace")) if m[1] in SYNC_CALLS]
     assert all(status == "200" for _, status in calls), calls
     return [name for name, _ in groupby(name for name, _ in calls)]
+
+
+def replay_figures(metrics: list[dict]) -> list[dict]:
+    """Per step, the routing-replay metrics (disagreement, train/rollout mismatch)."""
+    return [{k: v for k, v in r.items() if REPLAY.match(k)} for r in metrics]
 
 
 def run(tmp_path: Path, name: str, model: Path, data: Path, *overrides: str) -> list[dict]:
@@ -101,17 +111,33 @@ def test_grpo_colocated_tensor_against_real_sglang_survives_a_killed_engine(
 
 
 def test_grpo_async_disaggregated_distributed_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
+    """Two training ranks (EP2) beside one engine, routing replay on, with the counterfactual."""
     steps = 4
     metrics = run(
         tmp_path, "sglang_async", tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
-        f"train.num_steps={steps}", "cluster.colocate=false", "cluster.rollout_gpus=1",
-        "rollout.num_engines=1", "parallel.ep=1", "algorithm.async_staleness=1",
+        f"train.num_steps={steps}", "cluster.colocate=false", "cluster.gpus_per_node=3",
+        "cluster.rollout_gpus=1", "rollout.num_engines=1", "parallel.ep=2", "algorithm.async_staleness=1",
+        "algorithm.routing_replay=true", "algorithm.routing_replay_counterfactual=true",
     )  # fmt: skip
     assert [r["rollout/weight_version_lag"] for r in metrics] == [0.0] + [1.0] * (steps - 1)
     assert metrics[0]["train/train_rollout_logprob_abs_diff"] < SYNCED
+    print("real SGLang, disaggregated EP2 replay:", replay_figures(metrics))
+    # Replay metrics every step. A step whose rollout ran on the trainer's weights (step 1, and any
+    # after an update without gradient) has the trainer's own routing: disagreement 0, and replaying
+    # it or not (the counterfactual) leaves the engine's logprobs. After a real update the routers
+    # disagree on some tokens (measured 18% and 8% of token x layer pairs at steps 3-4, mismatch
+    # 0.051 and 0.041 with replay vs 0.052 and 0.041 without: the rest is the weights' change).
+    for r in metrics:
+        assert 0.0 <= r["train/routing_disagreement"] <= 1.0
+        assert r["train/train_rollout_logprob_abs_diff_max_no_replay"] >= 0.0
+    pairs = list(itertools.pairwise(metrics))
+    for r in [metrics[0]] + [now for before, now in pairs if before["train/grad_norm"] == 0]:
+        assert r["train/routing_disagreement"] == 0.0, r["step"]
+        assert r["train/train_rollout_logprob_abs_diff_max"] < REPLAYED_MAX, r["step"]
+        assert r["train/train_rollout_logprob_abs_diff_max_no_replay"] < REPLAYED_MAX, r["step"]
     # off-policy by one update afterwards: the mismatch is visible, as it must be, after every
     # update that changed the weights (a batch of all-equal groups has no gradient)
-    moved = [now for before, now in itertools.pairwise(metrics) if before["train/grad_norm"] > 0]
+    moved = [now for before, now in pairs if before["train/grad_norm"] > 0]
     assert moved and all(r["train/train_rollout_logprob_abs_diff"] > 1e-6 for r in moved)
     group = ["init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group"]
     sync = ["pause_generation", "begin_weight_update", *group, "end_weight_update", "flush_cache",
@@ -140,8 +166,15 @@ def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
         tmp_path, "sglang_learns", tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
         f"train.num_steps={steps}", "rollout.num_engines=1", "rollout.rollout_batch_size=64",
         "rollout.n_samples_per_prompt=8", "train.optimizer.lr=1e-3", "checkpoint.save_interval=null",
+        "algorithm.routing_replay=true",  # EP2 (the demo config's), colocated
     )  # fmt: skip
     reward = [r["rollout/raw_reward"] for r in metrics]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert last > first + 0.02 and last > 2 * first, (first, last)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < SYNCED
+    print("real SGLang, colocated EP2 replay:", replay_figures(metrics))
+    # Replay: the trainer routed every token to the engine's experts, and measured every step how
+    # often its own router would have chosen otherwise (fp32 on both sides: never).
+    assert [r["train/routing_disagreement"] for r in metrics] == [0.0] * steps
+    assert max(r["train/train_rollout_logprob_abs_diff_max"] for r in metrics) < REPLAYED_MAX
+    assert all(r["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=SYNCED) for r in metrics)

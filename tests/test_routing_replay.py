@@ -137,6 +137,7 @@ def run_layout(tmp_path, case: Case, nproc: int, overrides: list[str]):
         f"model.hf_checkpoint={case.path}",
         f"cluster.gpus_per_node={nproc}",
         "algorithm.routing_replay=true",
+        "algorithm.routing_replay_counterfactual=true",
         "algorithm.kl_loss_coef=0.1",
         "train.optimizer.lr=1e-3",
         *overrides,
@@ -196,16 +197,6 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
     # The bf16 engine against the fp32 trainer: replaying its routing brings the mismatch down.
     engine = case.hf["engine_bf16"]
     assert max_abs_diff(logprobs["replay/engine"], engine) < max_abs_diff(logprobs["free"], engine)
-    # The counterfactual diagnosis: the mismatch to the rollout (HF under the permuted routing) had
-    # the trainer not replayed, over every loss token of every DP rank.
-    diffs = np.abs(np.concatenate([np.subtract(free[k], hf) for k, hf in enumerate(case.hf["permuted"])]))
-    counterfactual = next(r["counterfactual"] for r in results if r["counterfactual"])
-    assert counterfactual["train/train_rollout_logprob_abs_diff_no_replay"] == pytest.approx(
-        diffs.mean(), abs=1e-7
-    )
-    assert counterfactual["train/train_rollout_logprob_abs_diff_max_no_replay"] == pytest.approx(
-        diffs.max(), abs=1e-7
-    )
     # One RL step on the permuted routing: the training forward replays it (its old logprobs equal
     # HF's under it), the reference model replays it too (KL 0 while the weights are equal).
     assert metrics["train/routing_disagreement"] == pytest.approx(case.disagreement["permuted"], abs=1e-12)
@@ -213,6 +204,16 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
     assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert metrics["train/train_rollout_logprob_abs_diff_max"] < 2e-5
     assert metrics["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=1e-5)
+    # The same step's counterfactual (algorithm.routing_replay_counterfactual): the mismatch to the
+    # rollout (HF under the permuted routing) had the trainer not replayed, over every loss token of
+    # every DP rank: the no-replay logprobs' distance to HF's, far above the replayed one.
+    diffs = np.abs(np.concatenate([np.subtract(free[k], hf) for k, hf in enumerate(case.hf["permuted"])]))
+    assert diffs.max() > 1e-3
+    no_replay = {k.removesuffix("_no_replay"): v for k, v in metrics.items() if k.endswith("_no_replay")}
+    assert no_replay["train/train_rollout_logprob_abs_diff"] == pytest.approx(diffs.mean(), abs=1e-7)
+    assert no_replay["train/train_rollout_logprob_abs_diff_max"] == pytest.approx(diffs.max(), abs=1e-7)
+    median = float(np.median(np.exp(diffs)))  # torch's quantile(0.5) interpolates as numpy's median
+    assert no_replay["train/train_rollout_prob_ratio_median"] == pytest.approx(median, abs=1e-7)
     if layers == 2:  # (c) and the update: the same as packed micro-batches on one rank
         reference, _, ref_metrics = packed
         for key, values in reference["replay/permuted"].items():

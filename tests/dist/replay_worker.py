@@ -4,9 +4,10 @@ Usage: torchrun --nproc-per-node N tests/dist/replay_worker.py OUT_DIR DATA key=
 DATA (torch.save) holds `tokens`, `response_lengths`, `rollout_log_probs` and routings by name
 (`own`, `permuted`, `engine`: per sequence `(len - 1, layers, top_k)` uint8). Each rank writes
 OUT_DIR/rank<k>.json: per routing the replayed response logprobs (`replay/<name>`), the
-disagreement of a scoring pass, the logprobs without replay (`free`), the counterfactual mismatch
-metrics against `rollout_log_probs`, and the metrics of one RL step on the `permuted` routing
-(reference model replaying too, through the KL loss).
+disagreement of a scoring pass, the logprobs without replay (`free`), and the metrics of one RL
+step on the `permuted` routing (reference model replaying too, through the KL loss; with
+`algorithm.routing_replay_counterfactual=true` also the mismatch without replay against
+`rollout_log_probs`).
 """
 
 import json
@@ -65,7 +66,6 @@ def main() -> None:
     actor.routing.enabled = False
     result["free"] = by_sample(batch, actor.response_logprobs(batch))
     actor.routing.enabled = True
-    result["counterfactual"] = rl.counterfactual_mismatch(actor, rank_batch(data, "permuted", dp, dp_rank))
     result["metrics"] = actor.train_rl(rank_batch(data, "permuted", dp, dp_rank))
     if actor.critic is not None:  # PPO: the critic's routers must choose for themselves
         result["critic_replaying_routers"] = sum(

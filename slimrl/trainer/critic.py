@@ -24,7 +24,7 @@ import torch
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_train_state
 from slimrl.trainer.offload import Offloader
-from slimrl.trainer.rl import megatron_scaled
+from slimrl.trainer.rl import last_pipeline_stage, megatron_scaled
 
 if TYPE_CHECKING:
     from slimrl.config.schema import SlimConfig
@@ -151,7 +151,7 @@ class Critic:
             "train/critic_grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/critic_lr": state.optimizer.param_groups[0]["lr"],
         }
-        if _last_stage():
+        if last_pipeline_stage():
             keys = sorted({k for r in reports for k in r})
             summed = actor._sum_over_dp({k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
             tokens = max(summed.pop("tokens", 0.0), 1.0)
@@ -161,9 +161,3 @@ class Critic:
         metrics["perf/critic_seconds"] = time.perf_counter() - start
         advantages.pop(-1, None)
         return metrics, advantages
-
-
-def _last_stage() -> bool:
-    from megatron.core import parallel_state as mpu
-
-    return mpu.is_pipeline_last_stage(ignore_virtual=True)

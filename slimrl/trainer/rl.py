@@ -35,7 +35,8 @@ def sampling_temperature(actor: MegatronActor) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def _last_stage() -> bool:
+def last_pipeline_stage() -> bool:
+    """This rank holds the output layer (it computes losses and logprobs)."""
     from megatron.core import parallel_state as mpu
 
     return mpu.is_pipeline_last_stage(ignore_virtual=True)
@@ -123,7 +124,7 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
     if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
         _token_level_advantages(actor, batch)  # ppo: GAE on the critic's values (`ppo.py`)
-    if _last_stage() and OLD_LOGP in batch.per_token:
+    if last_pipeline_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
 
@@ -150,7 +151,7 @@ def counterfactual_mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str
         free = response_logprobs(actor, batch)["logprobs"]
     finally:
         actor.routing.enabled = True
-    if not _last_stage() or ROLLOUT_LOGP not in batch.per_token:
+    if not last_pipeline_stage() or ROLLOUT_LOGP not in batch.per_token:
         return {}
     scored = batch.select(list(range(len(batch))))
     _attach(scored, OLD_LOGP, free)
@@ -400,7 +401,7 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         "train/oom_retries": float(actor.oom_retries),
     }
     metrics.update(routing_disagreement(actor))  # when this was the measured forward
-    if _last_stage():
+    if last_pipeline_stage():
         keys = sorted({k for r in reports for k in r})
         summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
         mismatch = {

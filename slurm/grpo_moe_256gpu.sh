@@ -20,7 +20,7 @@
 #   SLIMRL_RAY_ARGS   extra `ray start` arguments for every node (ports, --object-store-memory, ...)
 #   SLIMRL_HEAD_IP    address the other nodes reach the head at (default: resolved from its name)
 #   SLIMRL_RAY_WAIT_S how long to wait for every node to join Ray (default 300)
-#   SLIMRL_RAY_TMPDIR Ray's --temp-dir on every node (default /tmp/slimrl-ray-<job id>)
+#   SLIMRL_RAY_TMPDIR Ray's temp dirs: <dir>/<node name> on each node (default /tmp/slimrl-ray-<job id>)
 #
 #SBATCH --job-name=slimrl-grpo
 #SBATCH --nodes=32
@@ -66,6 +66,10 @@ head=${SLURMD_NODENAME:-$(hostname -s)}
 workers=()
 for node in "${nodes[@]}"; do [ "$node" = "$head" ] || workers+=("$node"); done
 [ "${#workers[@]}" -eq $((num_nodes - 1)) ] || die "batch host $head is not in the node list ${nodes[*]}"
+worker_list=$(
+  IFS=,
+  echo "${workers[*]}"
+)
 
 # "8", "h100:8" or "gpu:h100:8" -> 8; --gres=gpu:N jobs only set SLURM_GPUS_ON_NODE.
 gpus=${SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
@@ -92,7 +96,18 @@ if [ "$num_nodes" -eq 1 ]; then
   head_ip=${SLIMRL_HEAD_IP:-127.0.0.2}
 else
   head_ip=${SLIMRL_HEAD_IP:-}
-  # (|| true: getent fails for a name it cannot resolve, and set -e would end the script quietly.)
+  # A node may have several addresses (management, storage, cluster network); the one the other
+  # nodes surely reach is the one Slurm reaches the head at: its NodeAddr (the node name unless
+  # slurm.conf gives an address). (|| true: getent fails for a name it cannot resolve, and
+  # set -e would end the script quietly.)
+  if [ -z "$head_ip" ]; then
+    node_addr=$(scontrol show node "$head" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)
+    if [[ "$node_addr" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+      [[ "$node_addr" == 127.* ]] || head_ip=$node_addr
+    elif [ -n "$node_addr" ]; then
+      head_ip=$(getent ahostsv4 "$node_addr" | awk '$1 !~ /^127\./ { print $1; exit }' || true)
+    fi
+  fi
   [ -n "$head_ip" ] || head_ip=$(getent ahostsv4 "$head" | awk '$1 !~ /^127\./ { print $1; exit }' || true)
   # Many images map the host name to 127.0.1.1: fall back to the first configured address.
   [ -n "$head_ip" ] || head_ip=$(hostname -I | awk '{ print $1 }' || true)
@@ -102,8 +117,11 @@ address="$head_ip:$port"
 
 # Ray keeps its sockets, logs and the "current cluster" file under --temp-dir. The default
 # /tmp/ray is shared with every other Ray on the node, and a plain `ray.init()` there would join
-# this cluster instead of starting its own; a per-job directory keeps them apart.
-ray_tmp=${SLIMRL_RAY_TMPDIR:-/tmp/slimrl-ray-$SLURM_JOB_ID}
+# this cluster instead of starting its own; a per-job directory keeps them apart. Each node takes
+# a subdirectory named after itself: nodes that share the directory (a shared /tmp, or a
+# SLIMRL_RAY_TMPDIR on a shared filesystem) would otherwise overwrite each other's sockets.
+ray_base=${SLIMRL_RAY_TMPDIR:-/tmp/slimrl-ray-$SLURM_JOB_ID}
+ray_tmp=$ray_base/$head
 # Every process of this job (ray start, its workers, the driver) inherits these through srun.
 export RAY_USAGE_STATS_ENABLED=0
 # Ray >= 2.5x turns token authentication on for `ray start --head` when ~/.ray/auth_token exists,
@@ -147,8 +165,18 @@ teardown() {
   done
   for pid in "${step_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  # Keep Ray's logs of a failed run for debugging (workers keep theirs in any case).
-  if [ "$rc" -eq 0 ]; then rm -rf "$ray_tmp"; else log "Ray logs: $ray_tmp on each node"; fi
+  # Keep Ray's logs of a failed run for debugging; after a good one remove every node's.
+  if [ "$rc" -eq 0 ]; then
+    rm -rf "$ray_tmp"
+    if [ "${#workers[@]}" -gt 0 ]; then
+      SLIMRL_RAY_BASE=$ray_base timeout 60 srun --job-name=slimrl-ray-cleanup --nodes="${#workers[@]}" \
+        --ntasks="${#workers[@]}" --ntasks-per-node=1 --nodelist="$worker_list" \
+        bash -c 'rm -rf "$SLIMRL_RAY_BASE/$SLURMD_NODENAME"' || log "could not remove the workers' Ray dirs"
+    fi
+    rmdir "$ray_base" 2>/dev/null || true
+  else
+    log "Ray logs: $ray_base/<node> on each node"
+  fi
   log "done (exit code $rc)"
   exit "$rc"
 }
@@ -158,9 +186,10 @@ trap 'log "SIGTERM"; exit 143' TERM
 trap 'log "SIGINT"; exit 130' INT
 
 # ------------------------------------------------------------------------------ Ray cluster
-ray_start=(ray start --block --temp-dir="$ray_tmp" --disable-usage-stats "${ray_resources[@]}" "${ray_args[@]}")
+ray_start=(ray start --block --disable-usage-stats "${ray_resources[@]}" "${ray_args[@]}")
 srun --job-name=slimrl-ray-head --nodes=1 --ntasks=1 "${step_cpus[@]}" --nodelist="$head" \
-  "${ray_start[@]}" --head --node-ip-address="$head_ip" --port="$port" --include-dashboard=false &
+  "${ray_start[@]}" --temp-dir="$ray_tmp" --head --node-ip-address="$head_ip" --port="$port" \
+  --include-dashboard=false &
 step_pids+=("$!")
 
 # The head is up once `ray start` has written the cluster's address into its temp dir, here on
@@ -175,16 +204,17 @@ done
 
 # Every node must be in the cluster before training starts: the placement group spans all of
 # them. Polled from a Ray driver on this (the head) node; it gives up early if a step died.
-wait_for_nodes() { # EXPECTED_NODES
-  timeout $((wait_s + 60)) python3 - "$address" "$1" "$gpus" "$wait_s" "${step_pids[@]}" <<'PY'
+# On failure it prints one line naming the nodes that are missing (by host name, as Ray sees them).
+wait_for_nodes() {
+  timeout $((wait_s + 60)) python3 - "$address" "$gpus" "$wait_s" "${nodes[*]}" "${step_pids[@]}" <<'PY'
 import os
 import sys
 import time
 
 import ray
 
-address, want, gpus, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-steps = [int(p) for p in sys.argv[5:]]
+address, gpus, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+expected, steps = sys.argv[4].split(), [int(p) for p in sys.argv[5:]]
 deadline = time.monotonic() + timeout
 
 
@@ -193,36 +223,49 @@ def steps_alive() -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            print(f"a ray start step (srun pid {pid}) exited", file=sys.stderr)
             return False
     return True
+
+
+def missing(alive: list[dict]) -> str:
+    seen = {str(n["NodeManagerHostname"]).split(".")[0] for n in alive}
+    names = [name for name in expected if name.split(".")[0] not in seen]
+    return ", ".join(names) or f"{len(expected) - len(alive)} of {len(expected)}"
 
 
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 while True:
     alive = [n for n in ray.nodes() if n["Alive"]]
     found = sum(n["Resources"].get("GPU", 0) for n in alive)
-    if len(alive) >= want and found >= want * gpus:
+    if len(alive) >= len(expected) and found >= len(expected) * gpus:
         print(f"Ray: {len(alive)} node(s), {found:g} GPU(s)", file=sys.stderr)
         sys.exit(0)
     if time.monotonic() > deadline:
-        sys.exit(f"Ray: only {len(alive)} of {want} node(s) joined within {timeout:g} s")
+        sys.exit(f"Ray: node(s) {missing(alive)} did not join the head at {address} within {timeout:g} s")
     if not steps_alive():
-        sys.exit(1)
+        sys.exit(f"Ray: node(s) {missing(alive)} did not join the head at {address}: their ray start exited")
     time.sleep(2)
 PY
 }
 if [ "${#workers[@]}" -gt 0 ]; then
-  worker_list=$(
-    IFS=,
-    echo "${workers[*]}"
-  )
-  srun --job-name=slimrl-ray-workers "${step_cpus[@]}" --nodes="${#workers[@]}" \
+  # Each worker's --temp-dir names its node, so the task expands it there (exec: SIGTERM still
+  # reaches `ray start` itself).
+  SLIMRL_RAY_BASE=$ray_base srun --job-name=slimrl-ray-workers "${step_cpus[@]}" --nodes="${#workers[@]}" \
     --ntasks="${#workers[@]}" --ntasks-per-node=1 --nodelist="$worker_list" \
+    bash -c 'exec "$@" --temp-dir="$SLIMRL_RAY_BASE/$SLURMD_NODENAME"' ray-worker \
     "${ray_start[@]}" --address="$address" &
   step_pids+=("$!")
 fi
-wait_for_nodes "$num_nodes" || die "not every node joined Ray"
+# (The python above prints its reason as the last line of its error output.)
+wait_out=$(mktemp)
+if ! wait_for_nodes 2>"$wait_out"; then
+  reason=$(tail -n 1 "$wait_out")
+  head -n -1 "$wait_out" >&2
+  rm -f "$wait_out"
+  die "${reason:-not every node joined Ray}"
+fi
+cat "$wait_out" >&2
+rm -f "$wait_out"
 
 # ------------------------------------------------------------------------------ training
 # Run in the background and wait, so a SIGTERM reaches the trap at once instead of after slimrl.

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 from slimrl.trainer.parallel import ParallelLayout
+from slimrl.utils.net import bound_tcp_store
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,32 +55,19 @@ def init_distributed(info: RankInfo, layout: ParallelLayout, seed: int, timeout_
         if use_cuda():
             torch.cuda.set_device(info.local_rank)
         timeout = datetime.timedelta(seconds=timeout_s)
+        # Rank 0's store listens on master_addr only (multi-node Slurm, docs/slurm.md); under
+        # torchrun its agent already serves the store there and every rank is a client.
+        serves = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = bound_tcp_store(info.master_addr, info.master_port, info.world_size, serves, timeout)
         dist.init_process_group(
             backend="nccl" if use_cuda() else "gloo",
-            store=_rendezvous_store(info, timeout),
+            store=store,
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout,
         )
     layout.initialize()
     seed_everything(seed)
-
-
-def _rendezvous_store(info: RankInfo, timeout: datetime.timedelta) -> object:
-    """The ranks' TCPStore. Rank 0's listens on `master_addr` only: torch's own `tcp://`
-    rendezvous listens on every interface of the node (multi-node Slurm, docs/slurm.md)."""
-    import torch.distributed as dist
-
-    if info.rank != 0:
-        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, False, timeout)
-    addrinfo = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_STREAM)
-    family, _, _, _, sockaddr = addrinfo[0]
-    listener = socket.create_server(sockaddr[:2], family=family, backlog=info.world_size + 16)
-    # The store owns the listening socket from here (detach: Python must not close it).
-    return dist.TCPStore(
-        info.master_addr, info.master_port, info.world_size, True, timeout,
-        wait_for_workers=False, master_listen_fd=listener.detach(),
-    )  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:

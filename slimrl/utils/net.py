@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -17,3 +22,20 @@ def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def bound_tcp_store(
+    address: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """A torch TCPStore whose master listens on `address` only: torch's own listener (and its
+    `tcp://` rendezvous) binds every interface of the node, exposing the store on cluster networks."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(address, port, world_size, False, timeout)
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.create_server(sockaddr[:2], family=family, backlog=world_size + 16)
+    # The store owns the listening socket from here (detach: Python must not close it).
+    return dist.TCPStore(
+        address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 import torch.multiprocessing.reductions
 
+from slimrl.utils.net import bound_tcp_store
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
@@ -272,16 +274,9 @@ def _remaining(deadline: float) -> datetime.timedelta:
 
 
 def _group_store(address: str, port: int, rank: int, world_size: int, deadline: float) -> dist.TCPStore:
-    if rank == 0:
-        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-        listener = socket.create_server(sockaddr[:2], family=family, backlog=world_size + 16)
-        # The store owns the listening socket from here (detach: Python must not close it).
-        return dist.TCPStore(
-            address, port, world_size, True, _remaining(deadline),
-            wait_for_workers=False, master_listen_fd=listener.detach(),
-        )  # fmt: skip
-    _wait_until_listening(address, port, deadline)
-    return dist.TCPStore(address, port, world_size, False, _remaining(deadline))
+    if rank != 0:
+        _wait_until_listening(address, port, deadline)
+    return bound_tcp_store(address, port, world_size, rank == 0, _remaining(deadline))
 
 
 def _wait_until_listening(address: str, port: int, deadline: float) -> None:

@@ -157,10 +157,15 @@ teardown() {
   mapfile -t steps < <(squeue --steps --jobs="$SLURM_JOB_ID" --noheader --format='%i %j' 2>/dev/null |
     awk '$2 ~ /^slimrl-ray-/ { print $1 }')
   [ "${#steps[@]}" -eq 0 ] || scancel --signal=TERM "${steps[@]}" 2>/dev/null || true
-  for ((i = 0; i < 30; i++)); do
+  # A `ray start` still trying to reach an unreachable head ignores SIGTERM: SIGKILL after 15 s.
+  for ((i = 0; i < 20; i++)); do
     local alive=0
     for pid in "${step_pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ "$alive" = 0 ] && break
+    if [ "$i" = 15 ] && [ "${#steps[@]}" -gt 0 ]; then
+      log "Ray steps still running after SIGTERM: SIGKILL"
+      scancel --signal=KILL "${steps[@]}" 2>/dev/null || true
+    fi
     sleep 1
   done
   for pid in "${step_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a one-node Slurm cluster on this machine from Debian's packages, for testing the sbatch
-# scripts under slurm/ (tests/test_slurm.py; docs/slurm.md). Idempotent: a second call while the
+# scripts under slurm/ (tests/test_slurm_multinode.py; docs/slurm.md). Idempotent: a second call while the
 # cluster is up only checks it. Needs root; there is no systemd here, so the daemons are started
 # directly. Stop it with slurm/local/stop_cluster.sh, which stops only what this script started.
 #
@@ -9,7 +9,7 @@
 #
 # Exit codes: 0 cluster up (prints the partition name on stdout), 1 failure, 3 impossible here
 # (not root, or Slurm is missing and neither apt-get nor the mirror can install it): callers
-# such as tests/test_slurm.py skip on 3.
+# such as tests/test_slurm_multinode.py skip on 3.
 #
 # Environment:
 #   SLIMRL_SLURM_PARTITION  partition name (default: debug)

@@ -1,0 +1,312 @@
+"""`sbatch slurm/grpo_moe_256gpu.sh` on a real Slurm cluster, one node and across two nodes.
+
+slurm/local/start_multinode.sh makes two hosts out of network namespaces (own address, hostname
+and hosts file; the filesystem shared, as on a cluster), with slurmctld on the first and a slurmd
+on each. The unchanged 32-node script is submitted with the command-line overrides that fit CPU
+hosts. Across two nodes, one trainer rank runs on the head and the engine on the other node, so
+rollouts, control calls and the `distributed` weight sync all cross the link. The jobs:
+
+1. a node that cannot reach the head's address: the job fails within SLIMRL_RAY_WAIT_S, one line
+   naming the node;
+2. GRPO on 2 nodes, cancelled (scancel) after its first checkpoint: nothing is left on any node;
+3. the same run resubmitted: it resumes from that checkpoint and completes; where every process
+   ran and every socket listened is watched from outside;
+4. the same config on one node (what tests/test_slurm.py checked before), and the step and
+   weight-sync times of both (docs/slurm.md).
+
+slurm/local/start_cluster.sh (the one-node cluster on the machine itself) gets a start/stop check.
+Everything needs root; without it the tests are skipped. See docs/slurm.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.slurm_cluster import (
+    LOCAL,
+    Cluster,
+    ClusterUnavailable,
+    HostWatcher,
+    exposed,
+    job_env,
+    job_processes,
+    metrics,
+    multinode_cluster,
+    new_tag,
+    sbatch_args,
+    submit,
+    submit_and_wait,
+    tagged_processes,
+)
+
+pytestmark = pytest.mark.slow
+
+RAY_PORT = 6379  # each host has its own network stack: Ray's default port is free there
+STEPS_AFTER_RESUME = 4
+FIGURES: dict[str, list[dict[str, float]]] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        with multinode_cluster(hosts=2) as up:
+            yield up
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no local multi-host Slurm cluster here: {exc}")
+    # Everything the start script made is gone.
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "slimrl-n" not in namespaces, namespaces
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "slimrl-n" not in links, links
+    assert not Path("/run/slimrl-multinode").exists()
+
+
+def _overrides(tiny_model, mod_sum_data, runs: Path, steps: int, slots_per_node: int) -> list[str]:
+    """GRPO on the tiny MoE with one trainer rank and one engine on separate slots."""
+    return [
+        f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
+        f"data.prompt_data={mod_sum_data}",
+        f"run.runs_dir={runs}",
+        "run.name=grpo",
+        f"train.num_steps={steps}",
+        "rollout.rollout_batch_size=32",
+        "rollout.n_samples_per_prompt=16",
+        f"cluster.gpus_per_node={slots_per_node}",
+        "cluster.colocate=false",
+        "cluster.rollout_gpus=1",
+        "rollout.num_engines=1",
+        "parallel.ep=1",
+        "checkpoint.save_interval=2",
+    ]
+
+
+_STAMPED = re.compile(r"^\[slimrl-slurm (\d\d):(\d\d):(\d\d)\] (.*)$", re.MULTILINE)
+
+
+def _head(log: str) -> str:
+    match = re.search(r"node\(s\) \(head (\S+) at ", log)
+    assert match, log[-3000:]
+    return match.group(1)
+
+
+def _nothing_left(cluster: Cluster, tag: str) -> None:
+    """No process of the job on any host, nor anywhere else on the machine."""
+    deadline = time.monotonic() + 20
+    while True:
+        left = {node: job_processes(node) for node in cluster.nodes}
+        left = {node: procs for node, procs in left.items() if procs}
+        tagged = tagged_processes(tag)
+        if not (left or tagged) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left and not tagged, (left, tagged)
+
+
+def test_one_node_cluster_scripts():
+    """start_cluster.sh / stop_cluster.sh: the node comes up idle, runs a step, and the daemons
+    the script started are gone after the stop."""
+    start = subprocess.run([str(LOCAL / "start_cluster.sh")], capture_output=True, text=True, timeout=900)
+    if start.returncode == 3:
+        pytest.skip(f"no local Slurm cluster here: {start.stderr.strip().splitlines()[-1]}")
+    records = Path(os.environ.get("SLIMRL_SLURM_RUN_DIR", "/run/slimrl-local-slurm"))
+    try:
+        assert start.returncode == 0, start.stderr[-3000:]
+        partition = start.stdout.split()[-1]
+        env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+        step = subprocess.run(
+            ["srun", f"--partition={partition}", "-N1", "hostname", "-s"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert step.returncode == 0 and step.stdout.strip() == os.uname().nodename.split(".")[0], step
+        started = {rec.stem: rec.read_text().split()[0] for rec in records.glob("*.rec")}
+    finally:
+        stop = subprocess.run([str(LOCAL / "stop_cluster.sh")], capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    assert {"slurmctld", "slurmd"} <= started.keys(), started
+    assert not list(records.glob("*.rec"))
+    for name, pid in started.items():
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/comm").read_text().strip() != name
+
+
+def test_node_that_cannot_reach_the_head_fails_in_one_line(cluster, tmp_path, tiny_model, mod_sum_data):
+    """The head advertises an address of its own that the other node has no route to (its
+    management link): the worker's `ray start` never joins, and the job fails within
+    SLIMRL_RAY_WAIT_S naming that node."""
+    head, worker = list(cluster.nodes)
+    addrs = subprocess.run(
+        ["ip", "-n", head, "-4", "-o", "addr", "show", "mgmt0"], capture_output=True, text=True
+    )
+    unreachable = addrs.stdout.split()[3].split("/")[0]
+    tag, wait_s = new_tag(), 10
+    env = job_env(
+        cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 1, 1), tag,
+        SLIMRL_HEAD_IP=unreachable, SLIMRL_RAY_WAIT_S=str(wait_s),
+    )  # fmt: skip
+    job = submit_and_wait(
+        cluster, env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-nojoin-{tag}"), tmp_path
+    )
+    assert job.returncode != 0 and cluster.final_state(job.job_id) == "FAILED", (job.stderr, job.log[-3000:])
+    assert _head(job.log) == head
+    errors = [line for line in job.log.splitlines() if "ERROR:" in line]
+    assert len(errors) == 1, errors
+    assert (
+        f"node(s) {worker} did not join the head at {unreachable}:{RAY_PORT} within {wait_s} s" in errors[0]
+    )
+    # From the job's first line to the error: the head's start, the wait, and no more.
+    stamped = [
+        (int(h) * 3600 + int(m) * 60 + int(sec), rest) for h, m, sec, rest in _STAMPED.findall(job.log)
+    ]
+    error_at = next(t for t, rest in stamped if rest.startswith("ERROR:"))
+    assert error_at - stamped[0][0] <= wait_s + 20, job.log[-3000:]
+    assert not (tmp_path / "grpo").exists()  # slimrl never started
+    _nothing_left(cluster, tag)
+    shutil.rmtree(f"/tmp/slimrl-ray-{job.job_id}", ignore_errors=True)  # kept for debugging
+
+
+def test_grpo_across_two_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_model, mod_sum_data):
+    head_node, engine_node = list(cluster.nodes)
+    run_dir = tmp_path / "grpo"
+
+    # 1. A long run, cancelled once its first checkpoint is complete.
+    tag = new_tag()
+    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 200, 1), tag)
+    job_id = submit(env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-mn-{tag}"))
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists():
+        assert time.monotonic() < deadline and not cluster.final_state(job_id), (
+            tmp_path / f"slurm-{job_id}.out"
+        ).read_text()[-3000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env, check=True, timeout=30)
+    cancelled_at = time.monotonic()
+    while not (state := cluster.final_state(job_id)):
+        assert time.monotonic() - cancelled_at < 90, "the cancelled job did not end"
+        time.sleep(0.5)
+    assert state == "CANCELLED", state
+    _nothing_left(cluster, tag)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert "SIGTERM" in log, log[-3000:]
+    shutil.rmtree(f"/tmp/slimrl-ray-{job_id}", ignore_errors=True)  # kept for debugging
+    checkpoint = run_dir / "checkpoints" / latest.read_text().strip()
+    resumed_from = int(re.search(r"(\d+)$", checkpoint.name).group(1))  # type: ignore[union-attr]
+    assert resumed_from >= 2 and (checkpoint / "metadata.json").exists(), list(checkpoint.iterdir())
+
+    # 2. Resubmitted: resumes there and completes, trainer on the head, engine on the other node.
+    tag = new_tag()
+    steps = resumed_from + STEPS_AFTER_RESUME
+    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, steps, 1), tag)
+    with HostWatcher(list(cluster.nodes)) as watch:
+        job = submit_and_wait(
+            cluster, env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-mn-{tag}"), tmp_path
+        )
+    assert job.returncode == 0 and cluster.final_state(job.job_id) == "COMPLETED", (
+        job.stderr,
+        job.log[-5000:],
+    )
+    assert _head(job.log) == head_node and "Ray: 2 node(s)" in job.log
+    assert f"(step {resumed_from})" in job.log and "resumed from" in job.log, job.log[-3000:]
+    head_ip, engine_ip = cluster.nodes[head_node], cluster.nodes[engine_node]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["ray"]["address"] == f"{head_ip}:{RAY_PORT}"
+    assert saved["cluster"]["num_nodes"] == 2 and saved["cluster"]["device"] == "cpu"
+    assert yaml.safe_load((run_dir / "resolved.yaml").read_text())["rollout"]["weight_sync"] == "distributed"
+
+    # Where things ran: each host is a network namespace, so this is the host a process was on.
+    trainers = {
+        n for n, cmds in watch.processes.items() if any(c.startswith("ray::_ActorHost") for c in cmds)
+    }
+    engines = {
+        n for n, cmds in watch.processes.items() if any(c.startswith("ray::EngineActor") for c in cmds)
+    }
+    servers = {
+        n for n, cmds in watch.processes.items() if any(" serve " in c and "slimrl" in c for c in cmds)
+    }
+    assert trainers == {head_node} and engines == servers == {engine_node}, watch.processes
+    engine_log = (run_dir / "logs" / "engine0.log").read_text()
+    assert f"ready at http://{engine_ip}:" in engine_log
+    # Every weight update crossed the link: asked for from the head, received by the engine node.
+    updates = re.findall(
+        rf'{re.escape(head_ip)} - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log
+    )
+    assert len(updates) >= steps, len(updates)
+
+    # Addresses: every socket the run listened on is on its host's address or loopback, except
+    # Ray's own servers (exposed() spells out which).
+    assert watch.listeners, "no socket seen"
+    for listener in watch.listeners:
+        ip = cluster.nodes[listener.node]
+        assert listener.host in (ip, "*") or listener.host.startswith("127."), listener
+    assert not [entry for entry in watch.listeners if exposed(entry)]
+    engine_listens = {
+        (s.host, s.comm) for s in watch.listeners if s.node == engine_node and s.host == engine_ip
+    }
+    assert engine_listens, watch.listeners
+
+    # A learning run: metrics of every step since the resume, an update that changed the policy,
+    # and the engine serving the updated weights at the next step (its logprobs equal the trainer's).
+    rows = metrics(run_dir)[-STEPS_AFTER_RESUME:]
+    assert [r["step"] for r in rows] == list(range(resumed_from + 1, steps + 1)), rows
+    for row in rows:
+        for key in ("rollout/raw_reward", "train/pg_loss", "train/grad_norm", "perf/weight_sync_seconds"):
+            assert isinstance(row.get(key), float), (key, row)
+    updated = [i for i, r in enumerate(rows[:-1]) if r["train/grad_norm"] > 0]
+    assert updated, rows
+    for i in updated:
+        assert rows[i + 1]["train/train_rollout_logprob_abs_diff_max"] < 1e-5, rows[i + 1]
+    # Checkpoints of the resumed run, the last one at the end.
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith(f"{steps:07d}")
+    assert not Path(f"/tmp/slimrl-ray-{job.job_id}").exists()  # every node's Ray dir, after a good run
+    _nothing_left(cluster, tag)
+    FIGURES["2 nodes"] = rows
+    print(f"2-node job {job.job_id}: {job.seconds:.0f} s, resumed at step {resumed_from}")
+
+
+def test_grpo_on_one_node(cluster, tmp_path, tiny_model, mod_sum_data):
+    """The same config on one node (head on 127.0.0.2), and the 2-node figures against it."""
+    tag = new_tag()
+    steps = STEPS_AFTER_RESUME
+    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, steps, 2), tag)
+    job = submit_and_wait(cluster, env, sbatch_args(cluster, 1, 2, tmp_path, f"slimrl-1n-{tag}"), tmp_path)
+    assert job.returncode == 0 and cluster.final_state(job.job_id) == "COMPLETED", (
+        job.stderr,
+        job.log[-5000:],
+    )
+    run_dir = tmp_path / "grpo"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+    for row in rows:
+        for key in ("rollout/raw_reward", "train/pg_loss"):
+            assert isinstance(row.get(key), float), (key, row)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["ray"]["address"] == f"127.0.0.2:{RAY_PORT}"
+    assert saved["cluster"]["device"] == "cpu" and saved["cluster"]["num_nodes"] == 1
+    assert "Ray: 1 node(s)" in job.log
+    _nothing_left(cluster, tag)
+    assert not Path(f"/tmp/slimrl-ray-{job.job_id}").exists()  # removed after a successful run
+    print(f"1-node job {job.job_id}: {job.seconds:.0f} s")
+    FIGURES["1 node"] = rows
+    if "2 nodes" in FIGURES:
+        print(figures(FIGURES["1 node"], FIGURES["2 nodes"]))
+
+
+def figures(one: list[dict[str, float]], two: list[dict[str, float]]) -> str:
+    """Medians over each run's steps after its first (which warms up)."""
+    lines = []
+    for key in ("perf/step_seconds", "perf/weight_sync_seconds"):
+        a = statistics.median(r[key] for r in one[1:])
+        b = statistics.median(r[key] for r in two[1:])
+        lines.append(f"{key}: 1 node {a:.3f} s, 2 nodes {b:.3f} s, ratio {b / a:.2f}")
+    return "\n".join(lines)

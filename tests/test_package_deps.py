@@ -19,7 +19,7 @@ _BELOW_DRIVER = {
 ALLOWED = {
     "slimrl.utils": {"slimrl.errors", "slimrl.utils"},
     "slimrl.compat": {"slimrl.errors", "slimrl.compat"},
-    "slimrl.weight_sync": {"slimrl.errors", "slimrl.megatron_bridge", "slimrl.weight_sync"},
+    "slimrl.weight_sync": {"slimrl.errors", "slimrl.utils", "slimrl.megatron_bridge", "slimrl.weight_sync"},
     "slimrl.trainer": _BELOW_DRIVER | {"slimrl.trainer"},
     "slimrl.rollout": _BELOW_DRIVER | {"slimrl.trainer", "slimrl.rollout"},
 }

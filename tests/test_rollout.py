@@ -371,6 +371,7 @@ def test_rollout_abort_reaches_the_requests_of_a_generate_hook(fleet, base_confi
             "partial_rollout": True,
             "max_concurrency": 6,
         },
+        train={"max_seq_len": 512},  # the hook's 300-token turns are trained on
     )
     source = DataSource(config)
     rollout(fleet, config, tokenizer, source)

@@ -106,3 +106,49 @@ start_daemon() {
   done
   die "$name did not write $pidfile within 15 s; see its log under /var/log"
 }
+
+# The scheduling part of slurm.conf both local clusters share; $1: the job-completion log.
+scheduling_conf() {
+  cat <<EOF
+ProctrackType=proctrack/$PROCTRACK
+# No task/cgroup: jobs stay in the memory cgroup this machine put us in.
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=1024
+# Requests this node can never satisfy (--nodes=32, --cpus-per-task=64) fail at submission
+# instead of pending forever (sbatch --wait would hang).
+EnforcePartLimits=ALL
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+# No slurmdbd, so no sacct: one line per finished job with its final JobState, read by
+# sbatch_wait.sh after the job has left slurmctld's memory.
+JobCompType=jobcomp/filetxt
+JobCompLoc=$1
+# sbatch --wait polls every 2 s only while its sleep is below MinJobAge/2; with the default
+# (300) it backs off to 8 s and then 32 s. 2 is the minimum slurmctld accepts; 4 keeps finished
+# jobs visible to scontrol a little longer.
+MinJobAge=4
+KillWait=5
+SlurmctldTimeout=30
+SlurmdTimeout=300
+InactiveLimit=0
+Waittime=0
+EOF
+}
+
+# Cancel every job and give slurmd time to kill their processes before it goes away itself.
+cancel_all_jobs() {
+  local jobs i
+  mapfile -t jobs < <(squeue --noheader --format=%A 2>/dev/null || true)
+  [ ${#jobs[@]} -gt 0 ] || return 0
+  log "cancelling jobs ${jobs[*]}"
+  scancel "${jobs[@]}" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do
+    [ -z "$(squeue --noheader --format=%A 2>/dev/null)" ] && break
+    sleep 0.2
+  done
+}

@@ -141,33 +141,7 @@ SlurmctldPidFile=/run/slurm/slurmctld.pid
 SlurmdPidFile=/run/slurm/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-ProctrackType=proctrack/$PROCTRACK
-# No task/cgroup: jobs stay in the memory cgroup this machine put us in.
-TaskPlugin=task/none
-MpiDefault=none
-ReturnToService=2
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-DefMemPerCPU=1024
-# Requests this node can never satisfy (--nodes=32, --cpus-per-task=64) fail at submission
-# instead of pending forever (sbatch --wait would hang).
-EnforcePartLimits=ALL
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-# No slurmdbd, so no sacct: one line per finished job with its final JobState, read by
-# sbatch_wait.sh after the job has left slurmctld's memory.
-JobCompType=jobcomp/filetxt
-JobCompLoc=$JOBCOMP_LOG
-# sbatch --wait polls every 2 s only while its sleep is below MinJobAge/2; with the default
-# (300) it backs off to 8 s and then 32 s. 2 is the minimum slurmctld accepts; 4 keeps finished
-# jobs visible to scontrol a little longer.
-MinJobAge=4
-KillWait=5
-SlurmctldTimeout=30
-SlurmdTimeout=300
-InactiveLimit=0
-Waittime=0
+$(scheduling_conf "$JOBCOMP_LOG")
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS $TOPOLOGY RealMemory=$REAL_MEMORY State=UNKNOWN
 PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF

@@ -99,6 +99,7 @@ for ((k = 1; k <= HOSTS; k++)); do
   ip -n "$node" addr add "$(mn_mgmt_ip "$k")/24" dev mgmt0
   ip -n "$node" link set mgmt0peer up
   ip -n "$node" link set mgmt0 up
+  echo "${MN_PREFIX}v$k" >>"$MN_DIR/links"
   ip link add "${MN_PREFIX}v$k" type veth peer name eth0 netns "$node"
   ip link set "${MN_PREFIX}v$k" master "$MN_BRIDGE" up
   ip -n "$node" addr add "$(mn_ip "$k")/24" dev eth0
@@ -139,26 +140,7 @@ SlurmctldPidFile=$MN_DIR/run/slurmctld.pid
 SlurmdPidFile=$MN_DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$MN_DIR/log/slurmctld.log
 SlurmdLogFile=$MN_DIR/log/slurmd-%n.log
-ProctrackType=proctrack/$PROCTRACK
-TaskPlugin=task/none
-MpiDefault=none
-ReturnToService=2
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-DefMemPerCPU=1024
-EnforcePartLimits=ALL
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$MN_DIR/log/jobcomp.log
-# See start_cluster.sh: MinJobAge=4 keeps sbatch --wait polling every 2 s.
-MinJobAge=4
-KillWait=5
-SlurmctldTimeout=30
-SlurmdTimeout=300
-InactiveLimit=0
-Waittime=0
+$(scheduling_conf "$MN_DIR/log/jobcomp.log")
 EOF
 for ((k = 1; k <= HOSTS; k++)); do
   echo "NodeName=$(mn_node "$k") NodeAddr=$(mn_ip "$k") CPUs=$CPUS $TOPOLOGY RealMemory=$REAL_MEMORY State=UNKNOWN" >>"$MN_CONF"

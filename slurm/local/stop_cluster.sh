@@ -16,18 +16,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 0
 fi
 
-if our_pid slurmctld >/dev/null; then
-  mapfile -t jobs < <(squeue --noheader --format=%A 2>/dev/null || true)
-  if [ ${#jobs[@]} -gt 0 ]; then
-    log "cancelling jobs ${jobs[*]}"
-    scancel "${jobs[@]}" 2>/dev/null || true
-    # Give slurmd time to kill the jobs' processes before it goes away itself.
-    for ((i = 0; i < 100; i++)); do
-      [ -z "$(squeue --noheader --format=%A 2>/dev/null)" ] && break
-      sleep 0.2
-    done
-  fi
-fi
+our_pid slurmctld >/dev/null && cancel_all_jobs
 
 stop_ours slurmd slurmctld
 # munged last: slurmctld and slurmd authenticate through it until they are gone.

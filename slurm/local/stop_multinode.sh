@@ -23,17 +23,7 @@ fi
 }
 export SLURM_CONF=$MN_CONF
 
-if our_pid slurmctld >/dev/null; then
-  mapfile -t jobs < <(squeue --noheader --format=%A 2>/dev/null || true)
-  if [ ${#jobs[@]} -gt 0 ]; then
-    log "cancelling jobs ${jobs[*]}"
-    scancel "${jobs[@]}" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
-      [ -z "$(squeue --noheader --format=%A 2>/dev/null)" ] && break
-      sleep 0.2
-    done
-  fi
-fi
+our_pid slurmctld >/dev/null && cancel_all_jobs
 slurmds=()
 for rec in "$SLIMRL_SLURM_RUN_DIR"/slurmd@*.rec; do
   [ -e "$rec" ] && slurmds+=("$(basename "$rec" .rec)")
@@ -62,11 +52,22 @@ done
 for ns in "${namespaces[@]}"; do
   [ -e "/run/netns/$ns" ] && ip netns del "$ns"
 done
-if [ -s "$MN_DIR/links" ]; then
-  while read -r link; do
-    ! ip link show "$link" >/dev/null 2>&1 || ip link del "$link"
-  done <"$MN_DIR/links"
-fi
+# A namespace's veth peers leave the root namespace asynchronously after `ip netns del`: delete
+# what is still there (it may vanish meanwhile) and wait until none is left.
+links=()
+[ -s "$MN_DIR/links" ] && mapfile -t links <"$MN_DIR/links"
+for ((i = 0; i < 100; i++)); do
+  left=0
+  for link in "${links[@]}"; do
+    if ip link show "$link" >/dev/null 2>&1; then
+      left=1
+      ip link del "$link" 2>/dev/null || true
+    fi
+  done
+  [ "$left" = 0 ] && break
+  sleep 0.1
+done
+[ "$left" = 0 ] || log "WARNING: links still present after 10 s: ${links[*]}"
 for node in "${namespaces[@]}"; do
   for dir in /sys/fs/cgroup/freezer/slurm_"$node"; do
     [ -d "$dir" ] && find "$dir" -depth -type d -exec rmdir {} \; 2>/dev/null || true

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.slurm_cluster import (  # noqa: E402
     ClusterUnavailable,
+    grpo_overrides,
     job_env,
     metrics,
     multinode_cluster,
@@ -30,23 +31,6 @@ from tests.slurm_cluster import (  # noqa: E402
 )
 
 KEYS = ("perf/step_seconds", "perf/weight_sync_seconds", "perf/rollout_seconds", "perf/train_seconds")
-
-
-def overrides(model: Path, data: Path, runs: Path, steps: int, slots_per_node: int) -> list[str]:
-    return [
-        f"model.hf_checkpoint={model}",
-        f"data.prompt_data={data}",
-        f"run.runs_dir={runs}",
-        "run.name=bench",
-        f"train.num_steps={steps}",
-        "rollout.rollout_batch_size=32",
-        "rollout.n_samples_per_prompt=16",
-        f"cluster.gpus_per_node={slots_per_node}",
-        "cluster.colocate=false",
-        "cluster.rollout_gpus=1",
-        "rollout.num_engines=1",
-        "parallel.ep=1",
-    ]
 
 
 def main() -> int:
@@ -69,7 +53,8 @@ def main() -> int:
                 for label, nodes, slots in (("2 nodes", 2, 1), ("1 node", 1, 2)):
                     runs = root / label.replace(" ", "_")
                     runs.mkdir()
-                    env = job_env(cluster, overrides(model, data, runs, args.steps, slots), new_tag())
+                    grpo = grpo_overrides(model, data, runs, "bench", args.steps, slots)
+                    env = job_env(cluster, grpo, new_tag())
                     request = sbatch_args(cluster, nodes, slots, runs, "bench")
                     job = submit_and_wait(cluster, env, request, runs)
                     if job.returncode != 0:

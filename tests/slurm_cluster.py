@@ -246,6 +246,26 @@ def job_env(cluster: Cluster, overrides: list[str], tag: str, **extra: str) -> d
     return env
 
 
+def grpo_overrides(
+    model: Path, data: Path, runs: Path, name: str, steps: int, slots_per_node: int
+) -> list[str]:
+    """GRPO on the tiny MoE with one trainer rank and one engine on separate slots."""
+    return [
+        f"model.hf_checkpoint={model}",
+        f"data.prompt_data={data}",
+        f"run.runs_dir={runs}",
+        f"run.name={name}",
+        f"train.num_steps={steps}",
+        "rollout.rollout_batch_size=32",
+        "rollout.n_samples_per_prompt=16",
+        f"cluster.gpus_per_node={slots_per_node}",
+        "cluster.colocate=false",
+        "cluster.rollout_gpus=1",
+        "rollout.num_engines=1",
+        "parallel.ep=1",
+    ]
+
+
 def sbatch_args(cluster: Cluster, nodes: int, cpus: int, out_dir: Path, name: str) -> list[str]:
     """The overrides of the script's 32-node x 8-GPU request that fit the test cluster."""
     return [

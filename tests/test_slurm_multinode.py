@@ -37,6 +37,7 @@ from tests.slurm_cluster import (
     ClusterUnavailable,
     HostWatcher,
     exposed,
+    grpo_overrides,
     job_env,
     job_processes,
     metrics,
@@ -71,22 +72,8 @@ def cluster():
 
 
 def _overrides(tiny_model, mod_sum_data, runs: Path, steps: int, slots_per_node: int) -> list[str]:
-    """GRPO on the tiny MoE with one trainer rank and one engine on separate slots."""
-    return [
-        f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
-        f"data.prompt_data={mod_sum_data}",
-        f"run.runs_dir={runs}",
-        "run.name=grpo",
-        f"train.num_steps={steps}",
-        "rollout.rollout_batch_size=32",
-        "rollout.n_samples_per_prompt=16",
-        f"cluster.gpus_per_node={slots_per_node}",
-        "cluster.colocate=false",
-        "cluster.rollout_gpus=1",
-        "rollout.num_engines=1",
-        "parallel.ep=1",
-        "checkpoint.save_interval=2",
-    ]
+    grpo = grpo_overrides(tiny_model("qwen3_moe"), mod_sum_data, runs, "grpo", steps, slots_per_node)
+    return [*grpo, "checkpoint.save_interval=2"]
 
 
 _STAMPED = re.compile(r"^\[slimrl-slurm (\d\d):(\d\d):(\d\d)\] (.*)$", re.MULTILINE)

@@ -98,8 +98,7 @@ class _GroupRunner:
         self.vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
         self.params = sampling_params_for(ctx.config, evaluation)
         self.evaluation = evaluation
-        self.routing = None if evaluation else ctx.replay_layout
-        self.max_seq_len = None if evaluation else ctx.config.train.max_seq_len
+        self.training_checks = training_checks(ctx, evaluation)
         self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
         self.stopping = False
@@ -135,14 +134,7 @@ class _GroupRunner:
                 f"non-empty list[Sample], got {type(result).__name__}"
             )
         for one in samples:
-            check_sample(
-                one,
-                self.hook,
-                self.vocab_size,
-                allow_pending=self.stopping,
-                routing=self.routing,
-                max_seq_len=self.max_seq_len,
-            )
+            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, **self.training_checks)
         return samples
 
     async def run_group(self, group: Group) -> Group:
@@ -182,14 +174,21 @@ async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool 
             EVALUATING.reset(token)
         _check_groups(groups)
         vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
-        routing = None if evaluation else ctx.replay_layout
-        max_seq_len = None if evaluation else ctx.config.train.max_seq_len
+        checks = training_checks(ctx, evaluation)
         for sample in (s for group in groups for s in group):
-            check_sample(sample, ROLLOUT_KEY, vocab_size, routing=routing, max_seq_len=max_seq_len)
+            check_sample(sample, ROLLOUT_KEY, vocab_size, **checks)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)
     return await _run_train_rollout(ctx, source, start)
+
+
+def training_checks(ctx: RolloutContext, evaluation: bool) -> dict[str, Any]:
+    """`check_sample`'s checks that only samples headed for the trainer need: the routing replay
+    layout and `train.max_seq_len` (evaluation samples are scored, never trained on)."""
+    if evaluation:
+        return {}
+    return {"routing": ctx.replay_layout, "max_seq_len": ctx.config.train.max_seq_len}
 
 
 def _check_groups(groups: Any) -> None:

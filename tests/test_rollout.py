@@ -25,7 +25,7 @@ from slimrl.config import load_config
 from slimrl.config.schema import SlimConfig
 from slimrl.data.toy_tasks import make_data
 from slimrl.errors import SlimError
-from slimrl.rollout.client import FleetClient
+from slimrl.rollout.client import FleetClient, FleetDown
 from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.fleet import Fleet
 from slimrl.rollout.generate import RolloutContext, apply_response
@@ -497,6 +497,54 @@ def test_engine_death_mid_rollout_is_survived_and_healed(fleet, base_config, tok
     assert client.failovers > failovers and result.metrics["failed_samples"] == 0
     assert victim.url not in client.engines and fleet.servers[1].url in client.engines and not client.down
     assert fleet.servers[1].alive() and fleet.servers[1].restarts == victim.restarts + 1
+
+
+def test_a_rollout_that_finds_every_engine_down_stops_then_runs_once_healed(
+    fleet, base_config, tokenizer
+) -> None:
+    """Both engines killed mid-rollout: the rollout stops at the first request that finds none
+    (not sample by sample); `slimrl rollout` runs it again once the watcher restarted them."""
+    from slimrl.orchestration.rollout_only import healed_rollout
+
+    client = fleet.client
+    assert client is not None
+    config = configure(base_config, rollout={"sampling.max_new_tokens": 120, "sampling.temperature": 1.0})
+    context = RolloutContext(config, tokenizer, client)
+    victims, restarts = list(fleet.servers), fleet.restarts
+
+    async def stopped() -> BaseException:
+        rollout_task = asyncio.create_task(run_rollout(context, DataSource(config)))
+        await asyncio.to_thread(_wait, lambda: all(load(s.url) > 0 for s in victims), 30.0)
+        for victim in victims:
+            victim.kill()
+        try:
+            await rollout_task
+        except FleetDown as exc:
+            return exc
+        finally:
+            await client.close()
+        raise AssertionError("the rollout completed with every engine dead")
+
+    async def healed() -> RolloutResult:
+        watcher = asyncio.create_task(fleet.watch(interval_s=0.2))
+        try:
+            return await healed_rollout(context, DataSource(config), fleet)
+        finally:
+            watcher.cancel()
+            await client.close()
+
+    error = asyncio.run(stopped())
+    assert "every engine is down" in str(error) and set(client.down) == {v.url for v in victims}
+    result = asyncio.run(healed())
+    assert fleet.restarts == restarts + 2 and not client.down
+    samples = [s for g in result.groups for s in g]
+    assert len(result.groups) == 4 and len(samples) == 16 and result.metrics["failed_samples"] == 0
+    for sample in samples:
+        check_sample(sample, tokenizer, 120)
+
+
+def load(url: str) -> int:
+    return requests.get(f"{url}/get_load", timeout=5).json()[0]["num_reqs"]
 
 
 def _wait(predicate, timeout: float) -> None:

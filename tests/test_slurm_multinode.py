@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import statistics
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -33,15 +33,18 @@ import yaml
 
 from tests.slurm_cluster import (
     LOCAL,
+    RAY_WORKER_PORTS,
     Cluster,
     ClusterUnavailable,
     HostWatcher,
+    comm,
     exposed,
     grpo_overrides,
     job_env,
     job_processes,
     metrics,
     multinode_cluster,
+    netns_pids,
     new_tag,
     sbatch_args,
     submit,
@@ -53,13 +56,12 @@ pytestmark = pytest.mark.slow
 
 RAY_PORT = 6379  # each host has its own network stack: Ray's default port is free there
 STEPS_AFTER_RESUME = 4
-FIGURES: dict[str, list[dict[str, float]]] = {}
 
 
 @pytest.fixture(scope="module")
 def cluster():
     try:
-        with multinode_cluster(hosts=2) as up:
+        with multinode_cluster(hosts=3) as up:
             yield up
     except ClusterUnavailable as exc:
         pytest.skip(f"no local multi-host Slurm cluster here: {exc}")
@@ -71,9 +73,11 @@ def cluster():
     assert not Path("/run/slimrl-multinode").exists()
 
 
-def _overrides(tiny_model, mod_sum_data, runs: Path, steps: int, slots_per_node: int) -> list[str]:
+def _overrides(
+    tiny_model, mod_sum_data, runs: Path, steps: int, slots_per_node: int, ep: int = 1
+) -> list[str]:
     grpo = grpo_overrides(tiny_model("qwen3_moe"), mod_sum_data, runs, "grpo", steps, slots_per_node)
-    return [*grpo, "checkpoint.save_interval=2"]
+    return [*grpo, "checkpoint.save_interval=2", f"parallel.ep={ep}"]
 
 
 _STAMPED = re.compile(r"^\[slimrl-slurm (\d\d):(\d\d):(\d\d)\] (.*)$", re.MULTILINE)
@@ -131,7 +135,7 @@ def test_node_that_cannot_reach_the_head_fails_in_one_line(cluster, tmp_path, ti
     """The head advertises an address of its own that the other node has no route to (its
     management link): the worker's `ray start` never joins, and the job fails within
     SLIMRL_RAY_WAIT_S naming that node."""
-    head, worker = list(cluster.nodes)
+    head, worker = list(cluster.nodes)[:2]
     addrs = subprocess.run(
         ["ip", "-n", head, "-4", "-o", "addr", "show", "mgmt0"], capture_output=True, text=True
     )
@@ -141,9 +145,8 @@ def test_node_that_cannot_reach_the_head_fails_in_one_line(cluster, tmp_path, ti
         cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 1, 1), tag,
         SLIMRL_HEAD_IP=unreachable, SLIMRL_RAY_WAIT_S=str(wait_s),
     )  # fmt: skip
-    job = submit_and_wait(
-        cluster, env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-nojoin-{tag}"), tmp_path
-    )
+    args = [*sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-nojoin-{tag}"), f"--nodelist={head},{worker}"]
+    job = submit_and_wait(cluster, env, args, tmp_path)
     assert job.returncode != 0 and cluster.final_state(job.job_id) == "FAILED", (job.stderr, job.log[-3000:])
     assert _head(job.log) == head
     errors = [line for line in job.log.splitlines() if "ERROR:" in line]
@@ -162,14 +165,15 @@ def test_node_that_cannot_reach_the_head_fails_in_one_line(cluster, tmp_path, ti
     shutil.rmtree(f"/tmp/slimrl-ray-{job.job_id}", ignore_errors=True)  # kept for debugging
 
 
-def test_grpo_across_two_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_model, mod_sum_data):
-    head_node, engine_node = list(cluster.nodes)
+def test_grpo_across_three_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_model, mod_sum_data):
+    head_node, second_node, engine_node = list(cluster.nodes)
     run_dir = tmp_path / "grpo"
+    args = lambda tag: sbatch_args(cluster, 3, 1, tmp_path, f"slimrl-mn-{tag}")  # noqa: E731
 
     # 1. A long run, cancelled once its first checkpoint is complete.
     tag = new_tag()
-    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 200, 1), tag)
-    job_id = submit(env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-mn-{tag}"))
+    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 200, 1, ep=2), tag)
+    job_id = submit(env, args(tag))
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 300
     while not latest.exists():
@@ -190,26 +194,30 @@ def test_grpo_across_two_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_mod
     checkpoint = run_dir / "checkpoints" / latest.read_text().strip()
     resumed_from = int(re.search(r"(\d+)$", checkpoint.name).group(1))  # type: ignore[union-attr]
     assert resumed_from >= 2 and (checkpoint / "metadata.json").exists(), list(checkpoint.iterdir())
+    # Both trainer ranks (one per node, below) wrote their share into the shared run directory.
+    written = {p.name for p in checkpoint.iterdir()}
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= written, written
+    assert {n.split("_")[2] for n in written if n.endswith(".distcp")} == {"0", "1"}, written
 
-    # 2. Resubmitted: resumes there and completes, trainer on the head, engine on the other node.
+    # 2. Resubmitted: resumes there and completes; an EP2 trainer over the first two nodes (its
+    # rendezvous and gloo groups cross the link), the engine on the third.
     tag = new_tag()
     steps = resumed_from + STEPS_AFTER_RESUME
-    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, steps, 1), tag)
+    env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, steps, 1, ep=2), tag)
     with HostWatcher(list(cluster.nodes)) as watch:
-        job = submit_and_wait(
-            cluster, env, sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-mn-{tag}"), tmp_path
-        )
+        job = submit_and_wait(cluster, env, args(tag), tmp_path)
     assert job.returncode == 0 and cluster.final_state(job.job_id) == "COMPLETED", (
         job.stderr,
         job.log[-5000:],
     )
-    assert _head(job.log) == head_node and "Ray: 2 node(s)" in job.log
+    assert _head(job.log) == head_node and "Ray: 3 node(s)" in job.log
     assert f"(step {resumed_from})" in job.log and "resumed from" in job.log, job.log[-3000:]
     head_ip, engine_ip = cluster.nodes[head_node], cluster.nodes[engine_node]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["ray"]["address"] == f"{head_ip}:{RAY_PORT}"
-    assert saved["cluster"]["num_nodes"] == 2 and saved["cluster"]["device"] == "cpu"
-    assert yaml.safe_load((run_dir / "resolved.yaml").read_text())["rollout"]["weight_sync"] == "distributed"
+    assert saved["cluster"]["num_nodes"] == 3 and saved["cluster"]["device"] == "cpu"
+    resolved = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    assert resolved["rollout"]["weight_sync"] == "distributed" and resolved["parallel"]["ep"] == 2
 
     # Where things ran: each host is a network namespace, so this is the host a process was on.
     trainers = {
@@ -221,7 +229,15 @@ def test_grpo_across_two_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_mod
     servers = {
         n for n, cmds in watch.processes.items() if any(" serve " in c and "slimrl" in c for c in cmds)
     }
-    assert trainers == {head_node} and engines == servers == {engine_node}, watch.processes
+    assert trainers == {head_node, second_node} and engines == servers == {engine_node}, watch.processes
+    # Rank 1 (second node) talked to the head across the link outside Ray's ports (the GCS and the
+    # core workers' gRPC range): the trainers' TCP store and gloo pairs.
+    torch_links = [
+        c for c in watch.connections
+        if c.node == second_node and c.comm.startswith("ray::_Act") and c.peer.startswith(f"{head_ip}:")
+        and int(c.peer.rsplit(":", 1)[1]) not in (RAY_PORT, *RAY_WORKER_PORTS)
+    ]  # fmt: skip
+    assert torch_links, sorted(c for c in watch.connections if c.node == second_node)
     engine_log = (run_dir / "logs" / "engine0.log").read_text()
     assert f"ready at http://{engine_ip}:" in engine_log
     # Every weight update crossed the link: asked for from the head, received by the engine node.
@@ -257,12 +273,11 @@ def test_grpo_across_two_nodes_cancelled_and_resumed(cluster, tmp_path, tiny_mod
     assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith(f"{steps:07d}")
     assert not Path(f"/tmp/slimrl-ray-{job.job_id}").exists()  # every node's Ray dir, after a good run
     _nothing_left(cluster, tag)
-    FIGURES["2 nodes"] = rows
-    print(f"2-node job {job.job_id}: {job.seconds:.0f} s, resumed at step {resumed_from}")
+    print(f"3-node job {job.job_id}: {job.seconds:.0f} s, resumed at step {resumed_from}")
 
 
 def test_grpo_on_one_node(cluster, tmp_path, tiny_model, mod_sum_data):
-    """The same config on one node (head on 127.0.0.2), and the 2-node figures against it."""
+    """One trainer rank and one engine on one node (head on 127.0.0.2)."""
     tag = new_tag()
     steps = STEPS_AFTER_RESUME
     env = job_env(cluster, _overrides(tiny_model, mod_sum_data, tmp_path, steps, 2), tag)
@@ -284,16 +299,54 @@ def test_grpo_on_one_node(cluster, tmp_path, tiny_model, mod_sum_data):
     _nothing_left(cluster, tag)
     assert not Path(f"/tmp/slimrl-ray-{job.job_id}").exists()  # removed after a successful run
     print(f"1-node job {job.job_id}: {job.seconds:.0f} s")
-    FIGURES["1 node"] = rows
-    if "2 nodes" in FIGURES:
-        print(figures(FIGURES["1 node"], FIGURES["2 nodes"]))
 
 
-def figures(one: list[dict[str, float]], two: list[dict[str, float]]) -> str:
-    """Medians over each run's steps after its first (which warms up)."""
-    lines = []
-    for key in ("perf/step_seconds", "perf/weight_sync_seconds"):
-        a = statistics.median(r[key] for r in one[1:])
-        b = statistics.median(r[key] for r in two[1:])
-        lines.append(f"{key}: 1 node {a:.3f} s, 2 nodes {b:.3f} s, ratio {b / a:.2f}")
-    return "\n".join(lines)
+def test_engine_node_dies_mid_run(cluster, tmp_path, tiny_model, mod_sum_data):
+    """Every process of the engine's node is killed mid-run, slurmd included (as when the host
+    goes down): the run stops within a bound with one line that names the engine, its node and
+    the checkpoint to resume from; nothing is left on the other node. Last in the module: the
+    node stays down."""
+    head, engine_node = list(cluster.nodes)[:2]
+    tag = new_tag()
+    overrides = [*_overrides(tiny_model, mod_sum_data, tmp_path, 200, 1), "rollout.engine=sglang"]
+    env = job_env(cluster, overrides, tag)
+    args = [*sbatch_args(cluster, 2, 1, tmp_path, f"slimrl-die-{tag}"), f"--nodelist={head},{engine_node}"]
+    job_id = submit(env, args)
+    run_dir = tmp_path / "grpo"
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+        assert time.monotonic() < deadline and not cluster.final_state(job_id)
+        time.sleep(0.5)
+    # Real SGLang on the other node took every update over the link: its logprobs are the trainer's.
+    head_ip, engine_ip = cluster.nodes[head], cluster.nodes[engine_node]
+    engine_log = (run_dir / "logs" / "engine0.log").read_text(errors="replace")
+    updates = re.findall(
+        rf'{re.escape(head_ip)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log
+    )
+    synced = metrics(run_dir)
+    assert len(updates) >= len(synced) >= 2, engine_log[-3000:]
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] < 1e-5 for r in synced), synced
+    killed = [pid for pid in netns_pids(engine_node) if comm(pid) != "?"]
+    assert any(comm(pid) == "slurmd" for pid in killed)
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while not (state := cluster.final_state(job_id)):
+        assert time.monotonic() - killed_at < 120, "the job did not end after its engine node died"
+        time.sleep(0.5)
+    stopped_s = time.monotonic() - killed_at
+    log = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert state == "FAILED", (state, log[-3000:])
+    errors = [line for line in log.splitlines() if line.startswith("slimrl: error:")]
+    assert len(errors) == 1, log[-5000:]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(
+        rf"slimrl: error: engine 0 \(http://{re.escape(engine_ip)}:\d+\) is lost with its node "
+        rf"{engine_node} \({re.escape(engine_ip)}\): its Ray actor is gone; the run stopped in step "
+        rf"\d+: resubmit to resume from {re.escape(str(latest))}",
+        errors[0],
+    ), errors[0]
+    # The rollout stopped at the first request that found no engine, not sample by sample.
+    assert len(re.findall(r"sample \d+ failed", log)) <= 64, log[-3000:]
+    _nothing_left(cluster, tag)
+    print(f"engine node killed: job ended {stopped_s:.0f} s later; {errors[0]}")

@@ -19,16 +19,22 @@ import torch
 
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
+from slimrl.errors import SlimError
 from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
 from slimrl.orchestration.sample_log import SampleLog
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
+from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
 from slimrl.trainer.checkpoint import checkpoint_root
 
 logger = logging.getLogger("slimrl")
+
+
+class EngineLost(SlimError):
+    """An engine's Ray actor is gone, with its node: the run stops (resumable) rather than wait."""
 
 
 class Fleet:
@@ -38,6 +44,7 @@ class Fleet:
         self, config: SlimConfig, slots: DeviceSlots, first_slot: int, run_dir: Path, share: float
     ) -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from slimrl.orchestration.launch_plan import engine_seats
         from slimrl.orchestration.placement import engine_actor_options
@@ -49,13 +56,17 @@ class Fleet:
         assert not seats or seats[0].slots[0] == first_slot, (seats[0].slots, first_slot)
         remote = ray.remote(EngineActor)
         model_path = serving_checkpoint(config, run_dir)
-        self.engines = []
+        self.seats, self.engines = seats, []
+        self.lost: set[int] = set()
+        """Engines whose Ray actor is gone (with its node): they cannot be restarted or stopped."""
         for seat in seats:  # on GPUs each sees its node's GPUs (launch_plan.py)
             options = remote.options(**engine_actor_options(slots, seat, share))
             self.engines.append(options.remote(config, seat.index, log_dir, seat, model_path))
         started = [e.start.remote() for e in self.engines]
-        # The manager (tokenizer, data, router process) comes up while the engines load.
-        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8)
+        # The manager (tokenizer, data, router process) comes up while the engines load, on the
+        # driver's node: it holds the run's data state and must outlive any engine node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8, scheduling_strategy=here)
         self.manager = manager.remote(config, log_dir)
         self.restarts = 0
         self.urls: list[str] = []
@@ -70,9 +81,8 @@ class Fleet:
         """Restart engines that died; swap them in the router and client. Returns their indices."""
         import ray
 
-        healthy = ray.get([e.healthy.remote() for e in self.engines])
         restarted = []
-        for index, ok in enumerate(healthy):
+        for index, ok in enumerate(self.health()):
             if ok:
                 continue
             logger.warning("engine %d at %s is dead: restarting it", index, self.urls[index])
@@ -83,6 +93,31 @@ class Fleet:
             restarted.append(index)
         return restarted
 
+    def health(self) -> list[bool]:
+        """Whether each engine's server answers. A server that died is restarted by its actor; an
+        actor that is gone took its node (or raylet) with it, and nothing here can bring it back:
+        EngineLost names it."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        checks = [e.healthy.remote() for e in self.engines]
+        healthy = []
+        for index, check in enumerate(checks):
+            try:
+                healthy.append(bool(ray.get(check)))
+            except RayActorError:
+                self.lost.add(index)
+                raise EngineLost(self._lost_line(index)) from None
+        return healthy
+
+    def _lost_line(self, index: int) -> str:
+        import ray
+
+        node = self.seats[index].node.split("/")[0]
+        names = [n["NodeManagerHostname"] for n in ray.nodes() if n["NodeManagerAddress"] == node]
+        where = f"{names[0]} ({node})" if names else node
+        return f"engine {index} ({self.urls[index]}) is lost with its node {where}: its Ray actor is gone"
+
     def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> None:
         import ray
 
@@ -91,7 +126,8 @@ class Fleet:
     def shutdown(self) -> None:
         import ray
 
-        for call in [self.manager.shutdown.remote(), *(e.stop.remote() for e in self.engines)]:
+        engines = [e for i, e in enumerate(self.engines) if i not in self.lost]
+        for call in [self.manager.shutdown.remote(), *(e.stop.remote() for e in engines)]:
             try:
                 ray.get(call, timeout=60)
             except Exception as exc:  # keep stopping the others
@@ -203,6 +239,27 @@ class RLRun:
         logger.info("resumed from %s (step %d)", latest, state["step"])
         return int(state["step"])
 
+    def _collect(self, rollout: Any) -> tuple[list[list[Sample]], dict]:
+        """A finished rollout. One that stopped because every engine is down is explained by the
+        fleet's health: an engine lost with its node (EngineLost), else the rollout's own error."""
+        import ray
+        from ray.exceptions import RayTaskError
+
+        try:
+            return ray.get(rollout)
+        except RayTaskError as exc:
+            if isinstance(exc.cause, FleetDown):
+                self.fleet.health()
+            raise
+
+    def _resume_hint(self) -> str:
+        from slimrl.trainer.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            return "no checkpoint yet, a resubmission starts over"
+        return f"resubmit to resume from {latest}"
+
     def should_save(self, step: int) -> bool:
         interval = self.config.checkpoint.save_interval
         return step == self.config.train.num_steps or (interval is not None and step % interval == 0)
@@ -224,7 +281,7 @@ class RLRun:
                 self.handoff.to_engines()
                 while len(pending) <= ahead and step + len(pending) < steps:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
-                groups, rollout = ray.get(pending.popleft())
+                groups, rollout = self._collect(pending.popleft())
                 rollout_seconds = time.perf_counter() - step_start
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
@@ -246,6 +303,8 @@ class RLRun:
                 writer.write(step + 1, metrics)
                 if log_due(step + 1, steps, config.logging.log_interval):
                     self._progress(step + 1, steps, metrics)
+        except EngineLost as exc:
+            raise EngineLost(f"{exc}; the run stopped in step {step + 1}: {self._resume_hint()}") from None
         finally:
             writer.close()
             if samples is not None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,6 @@ async def _rollouts(
     num_rollouts: int,
 ) -> None:
     from slimrl.rollout.data_source import DataSource
-    from slimrl.rollout.rollout import run_rollout
 
     source = DataSource(config)
     evals = {name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()}
@@ -45,14 +45,14 @@ async def _rollouts(
     try:
         for rollout_id in range(num_rollouts):
             ctx.rollout_id = rollout_id
-            result = await run_rollout(ctx, source)
+            result = await healed_rollout(ctx, source, fleet)
             if samples_path is not None:
                 write_samples(samples_path, rollout_id, result.groups, "train")
             metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
             metrics["rollout/failovers"] = float(ctx.client.failovers)
             metrics["rollout/engine_restarts"] = float(fleet.restarts)
             for name, eval_source in evals.items():
-                evaluated = await run_rollout(ctx, eval_source, evaluation=True)
+                evaluated = await healed_rollout(ctx, eval_source, fleet, evaluation=True)
                 if samples_path is not None:
                     write_samples(samples_path, rollout_id, evaluated.groups, f"eval/{name}")
                 metrics.update({f"eval/{name}/{k}": v for k, v in evaluated.metrics.items()})
@@ -70,6 +70,24 @@ async def _rollouts(
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await ctx.client.close()
+
+
+async def healed_rollout(ctx: Any, source: Any, fleet: Any, evaluation: bool = False) -> Any:
+    """A rollout that stopped because every engine was down runs again once the watcher has
+    restarted them (the groups it had drawn are not retried: generation only, nothing to resume)."""
+    from slimrl.rollout.client import FleetDown
+    from slimrl.rollout.rollout import run_rollout
+
+    while True:
+        try:
+            return await run_rollout(ctx, source, evaluation=evaluation)
+        except FleetDown as exc:
+            logger.warning("%s: rollout %d runs again once the fleet is healed", exc, ctx.rollout_id)
+            deadline = time.monotonic() + fleet.config.rollout.sglang.server_timeout_s + HEAL_INTERVAL_S
+            while not ctx.client.live_engines():
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
 
 def run_rollout_only(config: SlimConfig, num_rollouts: int = 1) -> Path:

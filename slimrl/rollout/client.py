@@ -53,6 +53,11 @@ class NoEngineAvailable(SlimError):
     """Every engine of the fleet failed the request."""
 
 
+class FleetDown(NoEngineAvailable):
+    """Every engine is marked down: no request can be served until the driver heals the fleet, so
+    a rollout stops at once instead of failing each of its samples in turn."""
+
+
 def error_message(status: int, text: str) -> str:
     """One line out of an error body: SGLang's `{"error": {"message"}}`, `{"error": str}`,
     `{"message"}` (FastAPI validation, weight updates), `{"detail"}` or plain text."""
@@ -153,6 +158,8 @@ class FleetClient:
 
     # ------------------------------------------------------------------ generate
     def _pick_engine(self, exclude: set[str]) -> str:
+        if not self.live_engines():
+            raise FleetDown(f"every engine is down ({', '.join(self.engines)}): none left to generate on")
         live = [u for u in self.live_engines() if u not in exclude]
         if not live:
             raise NoEngineAvailable(f"no live engine left for the request (tried {sorted(exclude)})")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.errors import SlimError
-from slimrl.rollout.client import RID_PREFIX, NoEngineAvailable, RequestTimedOut
+from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group, load_buffer_filter
 from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampling_params_for
 from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
@@ -122,6 +122,8 @@ class _GroupRunner:
                 self.timeouts += 1
                 sample.status = Status.ABORTED
                 return [sample]
+            except FleetDown:
+                raise  # the whole rollout stops: the driver heals the fleet or stops the run
             except NoEngineAvailable as exc:
                 self.failures += 1
                 logger.warning("sample %d failed: %s", sample.index, exc)
@@ -209,6 +211,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
     counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0,
               "finished_reward_sum": 0.0, "finished_samples": 0}  # fmt: skip
     pending: set[asyncio.Task] = set()
+    done: set[asyncio.Task] = set()
     try:
         while len(kept) < target:
             # Draw more as soon as the groups in flight could no longer fill the batch.
@@ -223,7 +226,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
                 else:
                     surplus.append(task.result())
     except BaseException:
-        await runner.cancel(pending)
+        await runner.cancel(pending | done)  # and collect the errors of finished groups too
         raise
     await runner.stop(pending)  # the batch is full: stop what is still generating
     leftovers = surplus + [t.result() for t in pending]

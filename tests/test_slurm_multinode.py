@@ -1,21 +1,26 @@
-"""`sbatch slurm/grpo_moe_256gpu.sh` on a real Slurm cluster, one node and across two nodes.
+"""`sbatch slurm/grpo_moe_256gpu.sh` on a real Slurm cluster, one node and across two and three.
 
-slurm/local/start_multinode.sh makes two hosts out of network namespaces (own address, hostname
+slurm/local/start_multinode.sh makes three hosts out of network namespaces (own address, hostname
 and hosts file; the filesystem shared, as on a cluster), with slurmctld on the first and a slurmd
 on each. The unchanged 32-node script is submitted with the command-line overrides that fit CPU
-hosts. Across two nodes, one trainer rank runs on the head and the engine on the other node, so
-rollouts, control calls and the `distributed` weight sync all cross the link. The jobs:
+hosts. The jobs:
 
 1. a node that cannot reach the head's address: the job fails within SLIMRL_RAY_WAIT_S, one line
    naming the node;
-2. GRPO on 2 nodes, cancelled (scancel) after its first checkpoint: nothing is left on any node;
+2. GRPO on 3 nodes, an EP2 trainer over the first two (rendezvous, gloo groups and checkpoint
+   shards from both) and the engine on the third (rollouts, control calls and the `distributed`
+   weight sync over the link), cancelled (scancel) after its first checkpoint: nothing is left on
+   any node;
 3. the same run resubmitted: it resumes from that checkpoint and completes; where every process
-   ran and every socket listened is watched from outside;
-4. the same config on one node (what tests/test_slurm.py checked before), and the step and
-   weight-sync times of both (docs/slurm.md).
+   ran, what it connected to and where every socket listened is watched from outside;
+4. the 1-trainer-rank, 1-engine config on one node;
+5. real SGLang on another node than the trainer, taking every update over the link, until every
+   process of its node is killed (slurmd too): the run stops with one line naming the engine, its
+   node and the checkpoint to resume from.
 
 slurm/local/start_cluster.sh (the one-node cluster on the machine itself) gets a start/stop check.
-Everything needs root; without it the tests are skipped. See docs/slurm.md.
+Everything needs root; without it the tests are skipped. See docs/slurm.md; the step and weight-sync
+figures of 2 nodes against 1 come from bench/bench_slurm_multinode.py.
 """
 
 from __future__ import annotations

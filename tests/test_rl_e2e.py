@@ -1,12 +1,13 @@
 """`slimrl train` with GRPO end to end on Ray: two Megatron ranks (EP2), two embedded engines behind
 sglang-router, weight sync every step. Faults are real: an engine process is SIGKILLed mid-run, the
-driver is SIGTERMed and started again."""
+driver is SIGTERMed and started again; both engines are SIGKILLed mid-rollout."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,48 @@ def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
     assert rewards[-1].value == pytest.approx(metrics[-1]["rollout/raw_reward"], rel=1e-6)
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip().endswith("6")
+
+
+def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path, tiny_model, mod_sum_data):
+    """Both engines SIGKILLed while a rollout is in flight: the rollout stops, the driver restarts
+    them, gives them the current weights and runs that rollout again; the run completes on-policy."""
+    import requests
+
+    steps = 4
+    cmd = command(
+        tmp_path, "all_down", tiny_model("qwen3_moe"), mod_sum_data, f"train.num_steps={steps}",
+        "rollout.rollout_batch_size=64", "checkpoint.save_interval=null", "logging.tensorboard=false",
+    )  # fmt: skip
+    run_dir = tmp_path / "all_down"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        wait_for_step(run_dir, 2, proc)
+        logs = [run_dir / "logs" / f"engine{i}.log" for i in range(2)]
+        urls = [re.findall(r"ready at (http://\S+?)/?\s", log.read_text())[-1] for log in logs]
+        victims = [int((run_dir / "logs" / f"engine{i}.pid").read_text()) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while sum(requests.get(f"{u}/get_load", timeout=5).json()[0]["num_reqs"] for u in urls) == 0:
+            assert time.monotonic() < deadline, "no rollout in flight"
+        for victim in victims:  # the step-3 rollout is generating
+            os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
+    finally:
+        proc.kill()
+    reader.join(10)
+    log = "".join(output)
+    assert re.search(r"every engine is down: restarting them; rollout 2 runs again", log), log[-5000:]
+    metrics = rows(run_dir)
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    assert metrics[-1]["rollout/engine_restarts"] == 2.0
+    assert all(r["rollout/samples"] == 64 * 8 for r in metrics)
+    # The restarted engines loaded the HF checkpoint, which steps 1 and 2 had moved away from; they
+    # generated step 3 with the trainer's weights.
+    assert all(r["train/grad_norm"] > 0 for r in metrics[:2]), metrics
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < 1e-4, metrics
+    assert all(int(p.read_text()) not in victims for p in (run_dir / "logs").glob("engine*.pid"))
 
 
 def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):

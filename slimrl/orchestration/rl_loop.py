@@ -91,6 +91,7 @@ class Fleet:
             self.urls[index] = new_url
             self.restarts += 1
             restarted.append(index)
+        ray.get(self.manager.mark_up.remote(self.urls))  # every engine answers now
         return restarted
 
     def health(self) -> list[bool]:
@@ -132,6 +133,19 @@ class Fleet:
                 ray.get(call, timeout=60)
             except Exception as exc:  # keep stopping the others
                 logger.warning("shutdown: %s", exc)
+
+
+def _unless_fleet_down(rollout: Any) -> Any:
+    """A rollout's result, or None when it stopped because every engine was down."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(rollout)
+    except RayTaskError as exc:
+        if isinstance(exc.cause, FleetDown):
+            return None
+        raise
 
 
 def serving_checkpoint(config: SlimConfig, run_dir: Path) -> str:
@@ -239,18 +253,25 @@ class RLRun:
         logger.info("resumed from %s (step %d)", latest, state["step"])
         return int(state["step"])
 
-    def _collect(self, rollout: Any) -> tuple[list[list[Sample]], dict]:
-        """A finished rollout. One that stopped because every engine is down is explained by the
-        fleet's health: an engine lost with its node (EngineLost), else the rollout's own error."""
+    def _collect(self, step: int, pending: deque) -> tuple[list[list[Sample]], dict]:
+        """The rollout of `step` (the first of `pending`). One that stopped because every engine
+        was down is run again once the fleet is healed and has the current weights, once; an
+        engine lost with its node stops the run instead (EngineLost)."""
         import ray
-        from ray.exceptions import RayTaskError
 
-        try:
-            return ray.get(rollout)
-        except RayTaskError as exc:
-            if isinstance(exc.cause, FleetDown):
-                self.fleet.health()
-            raise
+        rollout = _unless_fleet_down(pending[0])
+        if rollout is not None:
+            return rollout
+        self.fleet.health()  # EngineLost when an engine's actor went with its node
+        logger.warning("every engine is down: restarting them; rollout %d runs again", step)
+        redo = [i for i, ref in enumerate(pending) if _unless_fleet_down(ref) is None]  # and behind it
+        self.fleet.heal()  # first: the memory handoff talks to the engines
+        self.handoff.to_trainer()
+        self.sync_weights(step)
+        self.handoff.to_engines()
+        for i in redo:
+            pending[i] = self.fleet.manager.generate.remote(step + i)
+        return ray.get(pending[0])
 
     def _resume_hint(self) -> str:
         from slimrl.trainer.checkpoint import latest_checkpoint
@@ -281,7 +302,8 @@ class RLRun:
                 self.handoff.to_engines()
                 while len(pending) <= ahead and step + len(pending) < steps:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
-                groups, rollout = self._collect(pending.popleft())
+                groups, rollout = self._collect(step, pending)
+                pending.popleft()
                 rollout_seconds = time.perf_counter() - step_start
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)

@@ -179,6 +179,11 @@ class RolloutManager:
             self.router.register(new)
         self.client.replace_engine(old, new)
 
+    def mark_up(self, urls: list[str]) -> None:
+        """Engines found healthy: route to them again (the client marks one down on a failure)."""
+        for url in urls:
+            self.client.mark_up(url)
+
     def state_dict(self) -> dict[str, Any]:
         return self.source.state_dict()
 

@@ -77,3 +77,19 @@ async def short_group_rm(config: Any, samples: list[Any]) -> list[float]:
 
 def sync_rm(config: Any, sample: Any) -> float:
     return 1.0
+
+
+async def gated_generate(ctx: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
+    """The built-in generate, held at rollout 2 until `<run dir>/gate` exists (announced by
+    `<run dir>/waiting`): a test can then act while that rollout is certainly in flight."""
+    import asyncio
+    from pathlib import Path
+
+    from slimrl.rollout.generate import generate
+
+    run_dir = Path(ctx.config.run.runs_dir) / ctx.config.run.name
+    if ctx.rollout_id == 2:
+        (run_dir / "waiting").touch()
+        while not (run_dir / "gate").exists():
+            await asyncio.sleep(0.05)
+    return await generate(ctx, sample, sampling_params)

@@ -108,12 +108,12 @@ def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
 def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path, tiny_model, mod_sum_data):
     """Both engines SIGKILLed while a rollout is in flight: the rollout stops, the driver restarts
     them, gives them the current weights and runs that rollout again; the run completes on-policy."""
-    import requests
-
     steps = 4
     cmd = command(
         tmp_path, "all_down", tiny_model("qwen3_moe"), mod_sum_data, f"train.num_steps={steps}",
         "rollout.rollout_batch_size=64", "checkpoint.save_interval=null", "logging.tensorboard=false",
+        # holds the step-3 rollout (rollout 2) until the engines are dead
+        "rollout.custom_generate_function_path=tests.hook_fixtures.gated_generate",
     )  # fmt: skip
     run_dir = tmp_path / "all_down"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -121,15 +121,16 @@ def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path,
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
     try:
-        wait_for_step(run_dir, 2, proc)
-        logs = [run_dir / "logs" / f"engine{i}.log" for i in range(2)]
-        urls = [re.findall(r"ready at (http://\S+?)/?\s", log.read_text())[-1] for log in logs]
+        deadline = time.monotonic() + 300
+        while not (run_dir / "waiting").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(output)[-5000:]
+            time.sleep(0.1)
         victims = [int((run_dir / "logs" / f"engine{i}.pid").read_text()) for i in range(2)]
-        deadline = time.monotonic() + 60
-        while sum(requests.get(f"{u}/get_load", timeout=5).json()[0]["num_reqs"] for u in urls) == 0:
-            assert time.monotonic() < deadline, "no rollout in flight"
-        for victim in victims:  # the step-3 rollout is generating
+        for victim in victims:
             os.kill(victim, signal.SIGKILL)
+        while any(alive(victim) for victim in victims):
+            time.sleep(0.05)
+        (run_dir / "gate").touch()
         assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
     finally:
         proc.kill()
@@ -140,9 +141,9 @@ def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path,
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     assert metrics[-1]["rollout/engine_restarts"] == 2.0
     assert all(r["rollout/samples"] == 64 * 8 for r in metrics)
-    # The restarted engines loaded the HF checkpoint, which steps 1 and 2 had moved away from; they
-    # generated step 3 with the trainer's weights.
-    assert all(r["train/grad_norm"] > 0 for r in metrics[:2]), metrics
+    # The restarted engines loaded the HF checkpoint, which the updates of steps 1-2 had moved away
+    # from; they generated step 3 with the trainer's weights.
+    assert any(r["train/grad_norm"] > 0 for r in metrics[:2]), metrics
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < 1e-4, metrics
     assert all(int(p.read_text()) not in victims for p in (run_dir / "logs").glob("engine*.pid"))
 

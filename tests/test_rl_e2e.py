@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,21 @@ def command(tmp_path: Path, name: str, model: Path, data: Path, *overrides: str)
         # the loop's machinery, at the cost they always had.
         "rollout.rollout_batch_size=16", "rollout.n_samples_per_prompt=8", *overrides,
     ]  # fmt: skip
+
+
+@contextmanager
+def running(cmd: list[str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`cmd` started from the repo, its merged output collected as it comes (a full pipe would
+    block it); killed on the way out."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        yield proc, output
+    finally:
+        proc.kill()
+        reader.join(10)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -63,18 +80,11 @@ def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
         "train.offload=true",  # the colocated GPU default: trainer offloads, engines release memory
     )  # fmt: skip
     run_dir = tmp_path / "grpo"
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
+    with running(cmd) as (proc, output):
         wait_for_step(run_dir, 2, proc)
         victim = int((run_dir / "logs" / "engine0.pid").read_text())
         os.kill(victim, signal.SIGKILL)  # mid-run: the next rollout is already under way
         assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
-    finally:
-        proc.kill()
-    reader.join(10)
     log = "".join(output)
 
     metrics = rows(run_dir)
@@ -116,11 +126,7 @@ def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path,
         "rollout.custom_generate_function_path=tests.hook_fixtures.gated_generate",
     )  # fmt: skip
     run_dir = tmp_path / "all_down"
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
+    with running(cmd) as (proc, output):
         deadline = time.monotonic() + 300
         while not (run_dir / "waiting").exists():
             assert time.monotonic() < deadline and proc.poll() is None, "".join(output)[-5000:]
@@ -132,9 +138,6 @@ def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path,
             time.sleep(0.05)
         (run_dir / "gate").touch()
         assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
-    finally:
-        proc.kill()
-    reader.join(10)
     log = "".join(output)
     assert re.search(r"every engine is down: restarting them; rollout 2 runs again", log), log[-5000:]
     metrics = rows(run_dir)

@@ -12,14 +12,13 @@ import os
 import re
 import signal
 import subprocess
-import threading
 from itertools import groupby
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.test_rl_e2e import command, rows, wait_for_step
+from tests.test_rl_e2e import command, rows, running, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -87,18 +86,11 @@ def test_grpo_colocated_tensor_against_real_sglang_survives_a_killed_engine(
         f"train.num_steps={steps}", "logging.tensorboard=false",
     )  # fmt: skip
     run_dir = tmp_path / name
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
+    with running(cmd) as (proc, output):
         wait_for_step(run_dir, 2, proc, timeout=600)
         victim = int((run_dir / "logs" / "engine0.pid").read_text())
         os.kill(victim, signal.SIGKILL)
         assert proc.wait(timeout=600) == 0, "".join(output)[-5000:]
-    finally:
-        proc.kill()
-    reader.join(10)
     metrics = rows(run_dir)
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     assert metrics[-1]["rollout/engine_restarts"] >= 1

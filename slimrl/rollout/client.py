@@ -158,9 +158,10 @@ class FleetClient:
 
     # ------------------------------------------------------------------ generate
     def _pick_engine(self, exclude: set[str]) -> str:
-        if not self.live_engines():
+        up = self.live_engines()
+        if not up:
             raise FleetDown(f"every engine is down ({', '.join(self.engines)}): none left to generate on")
-        live = [u for u in self.live_engines() if u not in exclude]
+        live = [u for u in up if u not in exclude]
         if not live:
             raise NoEngineAvailable(f"no live engine left for the request (tried {sorted(exclude)})")
         return min(live, key=lambda u: self.in_flight.get(u, 0))

@@ -38,13 +38,18 @@ def command(tmp_path: Path, name: str, model: Path, data: Path, *overrides: str)
 @contextmanager
 def running(cmd: list[str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
     """`cmd` started from the repo, its merged output collected as it comes (a full pipe would
-    block it); killed on the way out."""
+    block it) and shown with any assertion that fails inside; killed on the way out."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
     try:
         yield proc, output
+    except AssertionError as err:  # a failure shows what the run printed
+        proc.kill()
+        reader.join(10)
+        tail = "".join(output)[-8000:]
+        raise AssertionError(f"{err}\n--- the run's output, last 8000 characters ---\n{tail}") from None
     finally:
         proc.kill()
         reader.join(10)

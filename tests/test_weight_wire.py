@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from slimrl.weight_sync import wire
@@ -69,6 +74,39 @@ def test_reused_segment_carries_each_bucket_to_sglang_and_is_exclusive() -> None
             with segment.borrow(16) as other:
                 assert other.data_ptr() != out.data_ptr()
     assert pointers[0] == pointers[1]
+
+
+def test_concurrent_bodies_all_carry_file_system_handles() -> None:
+    """A sync posts one body per engine from a thread pool. torch's sharing strategy is
+    process-global: every pickle must still name a `file_system` segment, never a file descriptor
+    (an engine can only fetch one of those with the sender's multiprocessing authkey, and SGLang's
+    scheduler dies on "digest sent was rejected")."""
+    named = [("a", torch.randn(256))]
+    update = wire.tensor_update(named, "v")
+    threads, rounds = 8, 40
+    # each round starts from a fresh process's default strategy, all threads at once
+    barrier = threading.Barrier(
+        threads, action=lambda: torch.multiprocessing.set_sharing_strategy("file_descriptor"), timeout=60
+    )
+
+    def bodies(_: int) -> list[bytes]:
+        out = []
+        for _ in range(rounds):
+            barrier.wait()
+            out.append(base64.b64decode(update.body(1)["serialized_named_tensors"][0]))
+        return out
+
+    previous, interval = torch.multiprocessing.get_sharing_strategy(), sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads interleave as they would on a loaded machine
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            payloads = [p for batch in pool.map(bodies, range(threads)) for p in batch]
+    finally:
+        sys.setswitchinterval(interval)
+        torch.multiprocessing.set_sharing_strategy(previous)
+    assert len(payloads) == threads * rounds
+    assert [p for p in payloads if b"rebuild_storage_filename" not in p] == []
+    assert [p for p in payloads if b"rebuild_storage_fd" in p] == []
 
 
 _SGLANG_RANK_1 = """

@@ -162,15 +162,22 @@ class SharedSegment:
 SHARED_SEGMENT = SharedSegment()
 
 
+_STRATEGY_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def file_system_sharing() -> Iterator[None]:
-    """torch's `file_system` CPU sharing strategy for the duration (it is process-global)."""
-    previous = torch_mp.get_sharing_strategy()
-    torch_mp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch_mp.set_sharing_strategy(previous)
+    """torch's `file_system` CPU sharing strategy for the duration. The strategy is process-global
+    and a sync pickles one body per engine from a thread pool: unlocked, one thread's restore
+    could land inside another's pickle, which then carries a file descriptor that only a process
+    with our multiprocessing authkey may fetch (SGLang's scheduler dies on it)."""
+    with _STRATEGY_LOCK:
+        previous = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            torch_mp.set_sharing_strategy(previous)
 
 
 def serialize(obj: Any) -> str:

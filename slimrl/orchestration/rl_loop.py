@@ -19,10 +19,10 @@ import torch
 
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
-from slimrl.errors import SlimError
 from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
+from slimrl.orchestration.ray_fleet import EngineLost, RayFleet
 from slimrl.orchestration.sample_log import SampleLog
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
@@ -31,108 +31,6 @@ from slimrl.sample import Sample, Status
 from slimrl.trainer.checkpoint import checkpoint_root
 
 logger = logging.getLogger("slimrl")
-
-
-class EngineLost(SlimError):
-    """An engine's Ray actor is gone, with its node: the run stops (resumable) rather than wait."""
-
-
-class Fleet:
-    """The engine actors and the rollout manager, as the driver sees them."""
-
-    def __init__(
-        self, config: SlimConfig, slots: DeviceSlots, first_slot: int, run_dir: Path, share: float
-    ) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from slimrl.orchestration.launch_plan import engine_seats
-        from slimrl.orchestration.placement import engine_actor_options
-        from slimrl.orchestration.rollout_manager import EngineActor, RolloutManager
-
-        self.config = config
-        log_dir = str(run_dir / "logs")
-        seats = engine_seats(config, slots.layout, "cuda" if slots.use_gpu else "cpu")
-        assert not seats or seats[0].slots[0] == first_slot, (seats[0].slots, first_slot)
-        remote = ray.remote(EngineActor)
-        model_path = serving_checkpoint(config, run_dir)
-        self.seats, self.engines = seats, []
-        self.lost: set[int] = set()
-        """Engines whose Ray actor is gone (with its node): they cannot be restarted or stopped."""
-        for seat in seats:  # on GPUs each sees its node's GPUs (launch_plan.py)
-            options = remote.options(**engine_actor_options(slots, seat, share))
-            self.engines.append(options.remote(config, seat.index, log_dir, seat, model_path))
-        started = [e.start.remote() for e in self.engines]
-        # The manager (tokenizer, data, router process) comes up while the engines load, on the
-        # driver's node: it holds the run's data state and must outlive any engine node.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=8, scheduling_strategy=here)
-        self.manager = manager.remote(config, log_dir)
-        self.restarts = 0
-        self.urls: list[str] = []
-        try:
-            self.urls = ray.get(started)
-            ray.get(self.manager.connect.remote(self.urls))
-        except BaseException:
-            self.shutdown()  # the engines and the router that did start
-            raise
-
-    def heal(self) -> list[int]:
-        """Restart engines that died; swap them in the router and client. Returns their indices."""
-        import ray
-
-        restarted = []
-        for index, ok in enumerate(self.health()):
-            if ok:
-                continue
-            logger.warning("engine %d at %s is dead: restarting it", index, self.urls[index])
-            new_url = ray.get(self.engines[index].restart.remote())
-            ray.get(self.manager.replace_engine.remote(self.urls[index], new_url))
-            self.urls[index] = new_url
-            self.restarts += 1
-            restarted.append(index)
-        ray.get(self.manager.mark_up.remote(self.urls))  # every engine answers now
-        return restarted
-
-    def health(self) -> list[bool]:
-        """Whether each engine's server answers. A server that died is restarted by its actor; an
-        actor that is gone took its node (or raylet) with it, and nothing here can bring it back:
-        EngineLost names it."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        checks = [e.healthy.remote() for e in self.engines]
-        healthy = []
-        for index, check in enumerate(checks):
-            try:
-                healthy.append(bool(ray.get(check)))
-            except RayActorError:
-                self.lost.add(index)
-                raise EngineLost(self._lost_line(index)) from None
-        return healthy
-
-    def _lost_line(self, index: int) -> str:
-        import ray
-
-        node = self.seats[index].node.split("/")[0]
-        names = [n["NodeManagerHostname"] for n in ray.nodes() if n["NodeManagerAddress"] == node]
-        where = f"{names[0]} ({node})" if names else node
-        return f"engine {index} ({self.urls[index]}) is lost with its node {where}: its Ray actor is gone"
-
-    def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> None:
-        import ray
-
-        ray.get(self.manager.control.remote(endpoint, payload))
-
-    def shutdown(self) -> None:
-        import ray
-
-        engines = [e for i, e in enumerate(self.engines) if i not in self.lost]
-        for call in [self.manager.shutdown.remote(), *(e.stop.remote() for e in engines)]:
-            try:
-                ray.get(call, timeout=60)
-            except Exception as exc:  # keep stopping the others
-                logger.warning("shutdown: %s", exc)
 
 
 def _unless_fleet_down(rollout: Any) -> Any:
@@ -205,7 +103,12 @@ def oldest_weight_version(groups: list[list[Sample]]) -> int:
 
 class RLRun:
     def __init__(
-        self, config: SlimConfig, run_dir: Path, trainers: TrainerGroup, fleet: Fleet, handoff: MemoryHandoff
+        self,
+        config: SlimConfig,
+        run_dir: Path,
+        trainers: TrainerGroup,
+        fleet: RayFleet,
+        handoff: MemoryHandoff,
     ) -> None:
         self.config, self.run_dir, self.trainers, self.fleet, self.handoff = (
             config,
@@ -383,7 +286,9 @@ def run_rl(
     total_steps = config.train.num_steps * config.train.steps_per_rollout
     first_slot = 0 if colocated else world
     share = ROLLOUT_SHARE_COLOCATED if colocated else 1.0
-    fleet = Fleet(config, slots, first_slot, run_dir, share)  # engines load before the trainer builds
+    fleet = RayFleet(
+        config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir)
+    )  # engines load before the trainer builds
     try:
         handoff = MemoryHandoff(
             fleet, trainers, colocated and engines_release_memory(config, device), offload

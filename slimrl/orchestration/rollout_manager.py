@@ -16,12 +16,16 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.launch_plan import EngineSeat
+from slimrl.rollout.engine import LOCALHOST, Engine
+from slimrl.rollout.front import FleetFront
+from slimrl.utils.net import node_address
 
 logger = logging.getLogger(__name__)
 
 
-class EngineActor:
-    """Owns one server process (embedded engine on CPU, SGLang on GPU).
+class EngineActor(Engine):
+    """An `Engine` as a Ray actor on its node: listens on the node's address under a Ray cluster
+    of several hosts, and on GPUs starts at its seat's first GPU.
 
     On GPUs the actor runs with Ray's `CUDA_VISIBLE_DEVICES` switch off (`seat.actor_env`), so its
     server sees every GPU of the node and is pointed at its own by `--base-gpu-id`.
@@ -35,55 +39,16 @@ class EngineActor:
         seat: EngineSeat | None = None,
         model_path: str | None = None,
     ) -> None:
-        self.config, self.index, self.log_dir, self.seat = config, index, Path(log_dir), seat
-        self.model_path = model_path or config.model.hf_checkpoint
-        """What the server loads: the HF checkpoint, or its block-FP8 copy for an FP8 fleet."""
-        self.server: Any = None
-        self.restarts = 0
+        super().__init__(config, index, log_dir, model_path)
+        self.seat = seat
+
+    def host(self) -> str:
+        return LOCALHOST if self.config.ray.address is None else node_address()
 
     def base_gpu_id(self) -> int | None:
-        """CUDA ordinal of the first GPU of this engine's slots, in what the node lets it see."""
         if self.seat is None or not self.seat.on_gpu:
             return None
         return self.seat.base_gpu_id(os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-    def start(self) -> str:
-        from slimrl.rollout.servers import ServerProcess, server_command
-        from slimrl.utils.net import free_port
-
-        host = "127.0.0.1" if self.config.ray.address is None else _node_ip()
-        port = free_port()
-        cmd, env = server_command(self.config, self.model_path, host, port, self.index, self.base_gpu_id())
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.server = ServerProcess(
-            name=f"engine{self.index}", command=cmd, host=host, port=port, env=env,
-            log_path=self.log_dir / f"engine{self.index}.log", api_key=self.config.rollout.api_key,
-        )  # fmt: skip
-        self.server.start()
-        self.server.wait_healthy(self.config.rollout.sglang.server_timeout_s)
-        (self.log_dir / f"engine{self.index}.pid").write_text(str(self.server.process.pid))
-        return self.server.url
-
-    def healthy(self) -> bool:
-        return self.server is not None and self.server.alive() and self.server.healthy(timeout=5.0)
-
-    def restart(self) -> str:
-        """Replace a dead server (fresh port: the old one may linger in TIME_WAIT)."""
-        if self.server is not None:
-            self.server.stop()
-        self.restarts += 1
-        return self.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-def _node_ip() -> str:
-    from slimrl.utils.net import node_address
-
-    return node_address()
 
 
 class RolloutManager:
@@ -96,17 +61,9 @@ class RolloutManager:
         from transformers import AutoTokenizer
 
         from slimrl.rollout.data_source import DataSource
-        from slimrl.rollout.router import Router, start_router
 
         self.config = config
-        self.router: Router | None = None
-        if config.rollout.router.enabled:
-            from slimrl.utils.net import free_port
-
-            self.router = start_router(
-                "127.0.0.1", free_port(), config.model.hf_checkpoint, config.rollout.router.policy,
-                Path(log_dir) / "router.log",
-            )  # fmt: skip
+        self.front = FleetFront(config, Path(log_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
         self.source = DataSource(config)
         self.evals = {
@@ -122,28 +79,12 @@ class RolloutManager:
             self.connect(engine_urls)
 
     def connect(self, engine_urls: list[str]) -> None:
-        """Register the healthy engines with the router, probe what it forwards, open the client."""
-        from slimrl.rollout.client import FleetClient
+        """Connect the front to the healthy engines and open the rollout context."""
         from slimrl.rollout.generate import RolloutContext
-        from slimrl.rollout.router import wait_router_ready
         from slimrl.utils.gc_tuning import freeze_startup_heap
 
-        dropped: set[str] = set()
-        if self.router is not None:
-            wait_router_ready(self.router)
-            for url in engine_urls:
-                self.router.register(url)
-            dropped = self.router.probe_dropped_fields(prompt_ids=[1, 2, 3])
-        config = self.config
-        self.client = FleetClient(
-            engine_urls,
-            router_url=self.router.url if self.router else None,
-            router_dropped_fields=dropped,
-            api_key=config.rollout.api_key,
-            admin_api_key=config.rollout.admin_api_key,
-            request_timeout_s=config.rollout.request_timeout_s,
-        )
-        self.ctx = RolloutContext(config, self.tokenizer, self.client)
+        self.client = self.front.connect(engine_urls)
+        self.ctx = RolloutContext(self.config, self.tokenizer, self.client)
         freeze_startup_heap()  # full collections of the start-up heap stalled every rollout
 
     def _run(self, coroutine: Any) -> Any:
@@ -173,16 +114,14 @@ class RolloutManager:
     def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> list[Any]:
         return self._run(self.client.control(endpoint, payload))
 
-    def replace_engine(self, old: str, new: str) -> None:
-        if self.router is not None:
-            self.router.deregister(old)
-            self.router.register(new)
-        self.client.replace_engine(old, new)
+    def swap(self, replaced: list[tuple[str, str]], engine_urls: list[str]) -> None:
+        """Restarted engines into the router and client, every healthy one routed to again; on
+        the loop, which may be running a rollout (async runs) with the client."""
 
-    def mark_up(self, urls: list[str]) -> None:
-        """Engines found healthy: route to them again (the client marks one down on a failure)."""
-        for url in urls:
-            self.client.mark_up(url)
+        async def on_loop() -> None:
+            self.front.swap(replaced, engine_urls)
+
+        self._run(on_loop())
 
     def state_dict(self) -> dict[str, Any]:
         return self.source.state_dict()
@@ -193,6 +132,4 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.client is not None:
             self._run(self.client.close())
-        if self.router is not None:
-            self.router.process.stop()
-            self.router = None
+        self.front.stop()

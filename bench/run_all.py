@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = [
     "engine",
     "router",
+    "router_start",
     "packing",
     "trainer",
     "ppo_critic",

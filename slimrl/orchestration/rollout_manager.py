@@ -58,12 +58,12 @@ class RolloutManager:
     the router process, not yet waited for), then `connect(engine_urls)` once they are healthy."""
 
     def __init__(self, config: SlimConfig, log_dir: str, engine_urls: list[str] | None = None) -> None:
+        self.config = config
+        self.front = FleetFront(config, Path(log_dir))  # first: the router starts while we load
         from transformers import AutoTokenizer
 
         from slimrl.rollout.data_source import DataSource
 
-        self.config = config
-        self.front = FleetFront(config, Path(log_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
         self.source = DataSource(config)
         self.evals = {

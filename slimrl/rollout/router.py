@@ -114,7 +114,7 @@ def router_command(host: str, port: int, model_path: str, policy: str) -> list[s
     return [
         sys.executable,
         "-m",
-        "sglang_router.launch_router",
+        "slimrl.rollout.router_main",  # sglang-router's own launcher without its SGLang import
         "--host",
         host,
         "--port",

@@ -7,6 +7,7 @@ where they live, and that an engine can be lost with its node.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +65,17 @@ class RayFleet:
             self.shutdown()  # the engines and the router that did start
             raise
 
-    def heal(self) -> list[int]:
-        """Restart engines that died; swap them into the router and client. Returns their indices."""
+    def heal(self, before_restart: Callable[[], None] | None = None) -> list[int]:
+        """Restart engines that died; swap them into the router and client. Returns their indices.
+        `before_restart` runs once before the first restart (colocated: make room on the devices)."""
         import ray
 
         replaced, restarted = [], []
         for index, ok in enumerate(self.health()):
             if ok:
                 continue
+            if before_restart is not None and not restarted:
+                before_restart()
             logger.warning("engine %d at %s is dead: restarting it", index, self.urls[index])
             new_url = ray.get(self.engines[index].restart.remote())
             replaced.append((self.urls[index], new_url))
@@ -106,10 +110,14 @@ class RayFleet:
         where = f"{names[0]} ({node})" if names else node
         return f"engine {index} ({self.urls[index]}) is lost with its node {where}: its Ray actor is gone"
 
-    def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> None:
+    def control(
+        self, endpoint: str, payload: dict[str, Any] | None = None, only: Sequence[int] | None = None
+    ) -> None:
+        """A control call to every engine, or to engines `only` (indices)."""
         import ray
 
-        ray.get(self.manager.control.remote(endpoint, payload))
+        urls = None if only is None else [self.urls[i] for i in only]
+        ray.get(self.manager.control.remote(endpoint, payload, urls))
 
     def shutdown(self) -> None:
         import ray

@@ -146,8 +146,10 @@ class RLRun:
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
         if latest is None:
-            if self.config.model.load or not self.config.model.init_from_hf:
-                self.sync_weights(0)  # the engines loaded the HF checkpoint; the policy is elsewhere
+            # The engines loaded the HF checkpoint. Push when the policy starts elsewhere, or when
+            # they released their memory for the trainer's start-up: released weights are gone.
+            if self.config.model.load or not self.config.model.init_from_hf or self.handoff.release_engines:
+                self.sync_weights(0)
             return 0
         self.trainers.load_checkpoint(latest)
         state = read_driver_state(latest)
@@ -168,13 +170,23 @@ class RLRun:
         self.fleet.health()  # EngineLost when an engine's actor went with its node
         logger.warning("every engine is down: restarting them; rollout %d runs again", step)
         redo = [i for i, ref in enumerate(pending) if _unless_fleet_down(ref) is None]  # and behind it
-        self.fleet.heal()  # first: the memory handoff talks to the engines
+        # First: the memory handoff talks to the engines. They were to hold everything for this
+        # rollout, and the restarted ones do.
+        self.handoff.restarted(self.fleet.heal(), release=False)
         self.handoff.to_trainer()
         self.sync_weights(step)
         self.handoff.to_engines()
         for i in redo:
             pending[i] = self.fleet.manager.generate.remote(step + i)
         return ray.get(pending[0])
+
+    def heal(self) -> list[int]:
+        """Restart engines that died since the last check. Colocated, the trainer's state leaves the
+        devices first (a starting engine loads its weights and KV cache at once), and a restarted
+        engine then releases its memory like the rest of the fleet, for the sync that follows."""
+        restarted = self.fleet.heal(before_restart=self.handoff.make_room)
+        self.handoff.restarted(restarted, release=True)
+        return restarted
 
     def _resume_hint(self) -> str:
         from slimrl.trainer.checkpoint import latest_checkpoint
@@ -218,7 +230,7 @@ class RLRun:
                 train_seconds = time.perf_counter() - train_start
                 if self.should_save(step + 1):
                     self.save(step + 1)
-                restarted = self.fleet.heal()
+                restarted = self.heal()
                 sync_seconds = self.sync_weights(step + 1)
                 metrics = self._metrics(rollout, train, restarted, step_start, rollout_seconds, train_seconds)
                 metrics["perf/weight_sync_seconds"] = sync_seconds
@@ -290,9 +302,8 @@ def run_rl(
         config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir)
     )  # engines load before the trainer builds
     try:
-        handoff = MemoryHandoff(
-            fleet, trainers, colocated and engines_release_memory(config, device), offload
-        )
+        release = colocated and engines_release_memory(config, device)
+        handoff = MemoryHandoff(fleet, trainers, config.rollout.num_engines, release, offload)
         handoff.to_trainer()
         summaries = trainers.setup(total_steps=total_steps)
         logger.info(

@@ -111,8 +111,11 @@ class RolloutManager:
     def engine_urls(self) -> list[str]:
         return [u for u in self.client.engines if u not in self.client.down]
 
-    def control(self, endpoint: str, payload: dict[str, Any] | None = None) -> list[Any]:
-        return self._run(self.client.control(endpoint, payload))
+    def control(
+        self, endpoint: str, payload: dict[str, Any] | None = None, urls: list[str] | None = None
+    ) -> list[Any]:
+        """A control call to every live engine, or to those of `urls`."""
+        return self._run(self.client.control(endpoint, payload, urls=urls))
 
     def swap(self, replaced: list[tuple[str, str]], engine_urls: list[str]) -> None:
         """Restarted engines into the router and client, every healthy one routed to again; on

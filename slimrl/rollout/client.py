@@ -295,9 +295,11 @@ class FleetClient:
         payload: dict[str, Any] | None = None,
         ignore_errors: bool = False,
         timeout_s: float | None = None,
+        urls: list[str] | None = None,
     ) -> list[Any]:
-        """POST to every live engine directly (the router does not proxy control calls)."""
-        return await self._fan_out("POST", endpoint, payload or {}, ignore_errors, timeout_s)
+        """POST to every live engine (or the live ones of `urls`) directly (the router does not
+        proxy control calls)."""
+        return await self._fan_out("POST", endpoint, payload or {}, ignore_errors, timeout_s, urls)
 
     async def query(self, endpoint: str, timeout_s: float | None = 60.0) -> list[Any]:
         """GET a read-only endpoint (`get_model_info`, `v1/loads`, ...) of every live engine."""
@@ -310,6 +312,7 @@ class FleetClient:
         payload: dict[str, Any] | None,
         ignore_errors: bool,
         timeout_s: float | None,
+        urls: list[str] | None = None,
     ) -> list[Any]:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
 
@@ -339,4 +342,5 @@ class FleetClient:
                     return None
                 raise SlimError(f"/{endpoint} failed on {url}: {type(exc).__name__}: {exc}") from None
 
-        return await asyncio.gather(*(one(u) for u in self.live_engines()))
+        targets = [u for u in self.live_engines() if urls is None or u in urls]
+        return await asyncio.gather(*(one(u) for u in targets))

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from slimrl.errors import SlimError
+from slimrl.errors import ConfigError, SlimError
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -16,11 +16,13 @@ Handler = Callable[[argparse.Namespace], int | None]
 def _train(args: argparse.Namespace) -> None:
     from slimrl.config import load_config
 
+    if args.json and not args.dry_run:
+        raise ConfigError("--json: prints the dry run's report; use it with --dry-run")
     config = load_config(args.config, args.overrides)
     if args.dry_run:  # no Ray, no processes: print what would start where, and how
-        from slimrl.orchestration.dry_run import render
+        from slimrl.orchestration.dry_run import render, render_json
 
-        print(render(config), flush=True)
+        print(json.dumps(render_json(config)) if args.json else render(config), flush=True)
         return
     from slimrl.orchestration.entry import run_training
 
@@ -90,6 +92,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         true_on_policy=args.true_on_policy,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
 
     def ready(url: str) -> None:
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print placement, weight-sync transport and every engine's launch command and "
         "environment, then exit without starting anything (memory: `slimrl plan`)",
+    )
+    train.add_argument(
+        "--json",
+        action="store_true",
+        help="with --dry-run: the device ledger as JSON (every process on its node and GPU, every "
+        "group and device reference, the transports) plus each engine's launch",
     )
     train.set_defaults(handler=_train)
 
@@ -185,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--true-on-policy",
         action="store_true",
         help="report logprobs computed exactly as the Megatron trainer does (docs/true_on_policy.md)",
+    )
+    serve.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep a host copy of the weights across a memory release (SGLang's flag); without it "
+        "released weights come back as NaN and must be loaded again",
     )
     serve.set_defaults(handler=_serve)
 

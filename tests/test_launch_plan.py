@@ -11,9 +11,7 @@ import pytest
 from slimrl.config import load_config
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
-from slimrl.errors import ConfigError, SlimError
-from slimrl.orchestration.dry_run import engine_launches, render
-from slimrl.orchestration.launch_plan import (
+from slimrl.devices.launch_plan import (
     NOSET_CUDA_VISIBLE_DEVICES,
     Slot,
     engine_base_gpu_id,
@@ -22,6 +20,8 @@ from slimrl.orchestration.launch_plan import (
     simulated_layout,
     trainer_seats,
 )
+from slimrl.errors import ConfigError, SlimError
+from slimrl.orchestration.dry_run import engine_launches, render
 from slimrl.orchestration.placement import node_labels
 from tests.conftest import REPO, run_slimrl
 
@@ -120,7 +120,7 @@ def test_engine_spanning_nodes_is_caught():
 
 def test_auto_weight_sync_never_picks_what_the_layout_cannot_run():
     config = two_by_eight(colocate=True, engines=2, tp=8)
-    assert weight_transport(config) == "distributed"  # colocated but two hosts
+    assert weight_transport(config) == "tensor"  # colocated on two hosts: references per node
     config.cluster.num_nodes = 1
     config.rollout.num_engines = 1
     assert weight_transport(config) == "tensor"
@@ -141,8 +141,9 @@ def _tiny_2x4(tiny: Path, *extra: str) -> list[str]:
     ("extra", "fragment"),
     [
         (["cluster.colocate=false", "cluster.rollout_gpus=4", "rollout.weight_sync=tensor"],
-         "rollout.weight_sync=tensor: needs the trainer and every engine on one host"),
-        (["rollout.weight_sync=tensor"], "cluster.num_nodes=2; use auto, distributed or disk"),
+         "engine/0/tp0 on node1 slot 0 has no trainer rank on its node"),
+        (["rollout.weight_sync=distributed"],
+         "trainer/0 and engine/0/tp0 are both on node0 slot 0 in the weight_sync group"),
         (["cluster.colocate=false", "cluster.rollout_gpus=6", "rollout.gpus_per_engine=4"],
          "rollout.gpus_per_engine=4: engine 0 would take devices 2..5, across two nodes"),
     ],
@@ -150,18 +151,18 @@ def _tiny_2x4(tiny: Path, *extra: str) -> list[str]:
 def test_layouts_the_transports_cannot_serve_are_refused(tiny_model, extra, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config(None, _tiny_2x4(tiny_model("qwen3_moe"), *extra))
-    ok = load_config(None, _tiny_2x4(tiny_model("qwen3_moe"), "rollout.weight_sync=distributed"))
-    assert weight_transport(ok) == "distributed"
+    ok = load_config(None, _tiny_2x4(tiny_model("qwen3_moe"), "rollout.weight_sync=tensor"))
+    assert weight_transport(ok) == "tensor"  # colocated on two hosts: each rank's own slot
 
 
-def test_cli_refuses_tensor_across_nodes_with_exit_2(tiny_model, mod_sum_data):
+def test_cli_refuses_a_shared_device_in_a_group_with_exit_2(tiny_model, mod_sum_data):
     overrides = _tiny_2x4(
-        tiny_model("qwen3_moe"), "rollout.weight_sync=tensor", f"data.prompt_data={mod_sum_data}"
+        tiny_model("qwen3_moe"), "rollout.weight_sync=distributed", f"data.prompt_data={mod_sum_data}"
     )
     proc = run_slimrl("train", "configs/tiny_moe_grpo_cpu.yaml", *overrides, "--dry-run")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rollout.weight_sync=tensor" in lines[0] and "distributed" in lines[0]
+    assert len(lines) == 1 and "NCCL" in lines[0] and "rollout.weight_sync=tensor" in lines[0]
 
 
 # ---------------------------------------------------------------- dry run
@@ -172,9 +173,8 @@ def test_every_shipped_gpu_config_dry_runs(path, monkeypatch):
     monkeypatch.chdir(REPO)
     config = load_config(path)
     report = render(config)
-    nodes = config.cluster.num_nodes
     assert "nothing is started" in report and "device cuda" in report
-    assert f"weight sync: {'tensor' if nodes == 1 else 'distributed'} (auto)" in report
+    assert "weight sync: tensor (auto)" in report  # colocated, on any number of nodes
     assert report.count("sglang.launch_server") == config.rollout.num_engines
     assert report.count(f"env {NOSET_CUDA_VISIBLE_DEVICES}=1") == config.rollout.num_engines
     for launch in engine_launches(config, "cuda"):

@@ -14,11 +14,13 @@ from tests.conftest import REPO
 
 _BELOW_DRIVER = {
     "slimrl.errors", "slimrl.sample", "slimrl.utils", "slimrl.compat", "slimrl.config", "slimrl.data",
-    "slimrl.megatron_bridge", "slimrl.weight_sync",
+    "slimrl.megatron_bridge", "slimrl.weight_sync", "slimrl.devices",
 }  # fmt: skip
 ALLOWED = {
     "slimrl.utils": {"slimrl.errors", "slimrl.utils"},
     "slimrl.compat": {"slimrl.errors", "slimrl.compat"},
+    # the device ledger and the GPU's rules: read by the config gate, the trainer and the driver
+    "slimrl.devices": {"slimrl.errors", "slimrl.config", "slimrl.devices"},
     "slimrl.weight_sync": {"slimrl.errors", "slimrl.utils", "slimrl.megatron_bridge", "slimrl.weight_sync"},
     "slimrl.trainer": _BELOW_DRIVER | {"slimrl.trainer"},
     "slimrl.rollout": _BELOW_DRIVER | {"slimrl.trainer", "slimrl.rollout"},

@@ -212,15 +212,17 @@ def default_base_gpu_id(config: SlimConfig, index: int) -> int:
 def weight_transport(config: SlimConfig) -> str:
     """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
 
-    `auto` never picks one the layout cannot run: `tensor` passes references (shared memory on
-    CPU, CUDA IPC on GPUs) that only mean something on the sender's host, so it needs everything
-    on one node and colocated; `distributed` works everywhere (gloo on CPU, NCCL on GPUs); `disk`
-    needs a directory every node shares, which cannot be checked from here, so it is never chosen.
+    `auto` never picks one the layout breaks (`slimrl/devices/rules.py`): colocated, `tensor`, on
+    any number of nodes: every engine rank maps references (CUDA IPC by GPU UUID, shared memory on
+    CPU) from the trainer rank on its own GPU; `distributed` would put trainer rank 0 and the
+    colocated engine on its GPU in one NCCL group, which NCCL refuses. Disaggregated,
+    `distributed` (NCCL among distinct GPUs). `disk` needs a directory every node shares, which
+    cannot be checked from here, so it is never chosen.
     """
     choice = config.rollout.weight_sync
     if choice != "auto":
         return choice
-    return "tensor" if config.cluster.colocate and config.cluster.num_nodes == 1 else "distributed"
+    return "tensor" if config.cluster.colocate else "distributed"
 
 
 def check_config(config: SlimConfig) -> None:
@@ -344,14 +346,8 @@ def _check_fp8_rollout(config: SlimConfig) -> None:
 
 
 def _check_weight_sync(config: SlimConfig) -> None:
-    """`tensor` sends host-local references; with several nodes some engine cannot open them. From
-    GPU trainers, `tensor` and `distributed` need GPU engines (CUDA IPC, NCCL)."""
-    nodes = config.cluster.num_nodes
-    if config.rollout.weight_sync == "tensor" and nodes > 1:
-        raise ConfigError(
-            f"rollout.weight_sync=tensor: needs the trainer and every engine on one host, but "
-            f"cluster.num_nodes={nodes}; use auto, distributed or disk (disk: runs_dir shared by all nodes)"
-        )
+    """From GPU trainers, `tensor` and `distributed` need GPU engines (CUDA IPC, NCCL). Which
+    layouts each transport can serve is the device ledger's business (`_check_device_rules`)."""
     transport = weight_transport(config)
     if (
         config.algorithm.loss == "policy"
@@ -395,6 +391,19 @@ def _check_parallel(config: SlimConfig) -> None:
                 )
     _check_batches(config, layout.dp)
     _check_routing_replay(config, arch)
+    _check_device_rules(config, layout, device)
+
+
+def _check_device_rules(config: SlimConfig, layout: object, device: str) -> None:
+    """The GPU's rules on the config's own layout (nodes of `cluster.gpus_per_node` devices), on
+    CPU too: gloo would accept two members of a group on one device, NCCL does not."""
+    from slimrl.devices.launch_plan import simulated_layout
+    from slimrl.devices.ledger import build_ledger
+    from slimrl.devices.rank_groups import Sizes
+    from slimrl.devices.rules import check_ledger
+
+    transport = weight_transport(config) if config.algorithm.loss == "policy" else None
+    check_ledger(build_ledger(config, simulated_layout(config), device, Sizes.of(layout), transport))
 
 
 def _check_routing_replay(config: SlimConfig, arch: ModelArch) -> None:

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from slimrl.megatron_bridge.bucketing import bucketed, load_together
 from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
-from slimrl.megatron_bridge.rules import megatron_full_to_hf, unshard
+from slimrl.megatron_bridge.transforms import megatron_full_to_hf, unshard
 from slimrl.trainer.parallel import ParallelLayout
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -114,21 +115,6 @@ def iter_hf_tensors(
             yield from zip(hf_names, megatron_full_to_hf(rule.kind, full, arch), strict=True)
 
 
-def bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Group a tensor stream into buckets of about `bucket_bytes` (a bigger tensor is its own)."""
-    bucket: NamedTensors = []
-    size = 0
-    for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 def export_hf_buckets(
     chunks: list[Any],
     arch: ModelArch,
@@ -145,4 +131,5 @@ def export_hf_buckets(
         from slimrl.megatron_bridge.fp8 import quantize_named_tensors
 
         stream = quantize_named_tensors(stream)
-    yield from bucketed(stream, bucket_bytes)
+    # One bucket is one `load_weights` call: tensors SGLang fuses must share one (bucketing.py).
+    yield from bucketed(stream, bucket_bytes, together=load_together(arch))

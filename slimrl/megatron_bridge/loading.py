@@ -20,7 +20,8 @@ from slimrl.megatron_bridge.archs import ARCH_SPECS
 from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
 from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
-from slimrl.megatron_bridge.rules import RuleSet, hf_to_megatron_full, shard
+from slimrl.megatron_bridge.rules import RuleSet
+from slimrl.megatron_bridge.transforms import hf_to_megatron_full, shard
 from slimrl.trainer.parallel import ParallelLayout
 
 

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
-from slimrl.config.checks import engine_first_slot, resolve_device, weight_transport
+from slimrl.config.checks import engine_first_slot, resolve_device, train_world_size, weight_transport
 from slimrl.config.schema import SlimConfig
-from slimrl.orchestration.launch_plan import (
+from slimrl.devices.launch_plan import (
     EngineSeat,
     TrainerSeat,
     engine_seats,
     simulated_layout,
     trainer_seats,
 )
+from slimrl.devices.ledger import Ledger, build_ledger
+from slimrl.devices.rank_groups import Sizes
 
 PLAN_PORT = 30000
 """Engine i is shown on port PLAN_PORT + i; a real run picks free ports when engines start."""
@@ -114,3 +117,28 @@ def render(config: SlimConfig) -> str:
     for launch in engine_launches(config, device):
         lines += _engine_lines(launch, device)
     return "\n".join(lines)
+
+
+def config_ledger(config: SlimConfig) -> Ledger:
+    """The device ledger of the config's own layout (nodes `node0..`, stand-in GPU UUIDs)."""
+    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.trainer.parallel import ParallelLayout
+
+    device = resolve_device(config)
+    arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
+    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    transport = weight_transport(config) if config.algorithm.loss == "policy" else None
+    return build_ledger(config, simulated_layout(config), device, Sizes.of(layout), transport)
+
+
+def render_json(config: SlimConfig) -> dict[str, Any]:
+    """`--dry-run --json`: the device ledger, plus each engine's launch (command, environment)."""
+    device = resolve_device(config)
+    report = config_ledger(config).to_json()
+    if config.algorithm.loss == "policy":
+        report["engines"] = [
+            {"index": launch.seat.index, "node": launch.seat.node, "gpus": list(launch.seat.devices),
+             "command": launch.command, "env": launch.env}
+            for launch in engine_launches(config, device)
+        ]  # fmt: skip
+    return report

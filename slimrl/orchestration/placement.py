@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
-from slimrl.orchestration.launch_plan import EngineSeat, Slot, order_slots
+from slimrl.devices.launch_plan import EngineSeat, Slot, order_slots
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ class RayFleet:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from slimrl.orchestration.launch_plan import engine_seats
+        from slimrl.devices.launch_plan import engine_seats
         from slimrl.orchestration.placement import engine_actor_options
         from slimrl.orchestration.rollout_manager import EngineActor, RolloutManager
 

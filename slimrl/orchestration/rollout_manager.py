@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
-from slimrl.orchestration.launch_plan import EngineSeat
+from slimrl.devices.launch_plan import EngineSeat
 from slimrl.rollout.engine import LOCALHOST, Engine
 from slimrl.rollout.front import FleetFront
 from slimrl.utils.net import node_address

@@ -21,7 +21,8 @@ ALLOWED = {
     "slimrl.compat": {"slimrl.errors", "slimrl.compat"},
     # the device ledger and the GPU's rules: read by the config gate, the trainer and the driver
     "slimrl.devices": {"slimrl.errors", "slimrl.config", "slimrl.devices"},
-    "slimrl.weight_sync": {"slimrl.errors", "slimrl.utils", "slimrl.megatron_bridge", "slimrl.weight_sync"},
+    "slimrl.weight_sync": {"slimrl.errors", "slimrl.utils", "slimrl.megatron_bridge", "slimrl.devices"}
+    | {"slimrl.weight_sync"},
     "slimrl.trainer": _BELOW_DRIVER | {"slimrl.trainer"},
     "slimrl.rollout": _BELOW_DRIVER | {"slimrl.trainer", "slimrl.rollout"},
 }

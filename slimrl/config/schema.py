@@ -189,6 +189,9 @@ class RolloutConfig:
     """Bucket size of the streaming weight sync."""
     weight_sync: str = "auto"
     """`auto` (tensor when colocated, distributed otherwise), `tensor`, `distributed` or `disk`."""
+    weight_sync_timeout_s: float = 1800.0
+    """Longest a weight sync may take; past it the run stops in one line naming what every
+    trainer rank waits in (a hung collective), resumable from the last checkpoint."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options (GPU fleet)."""
     router: RouterConfig = field(default_factory=RouterConfig)

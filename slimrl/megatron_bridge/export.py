@@ -10,6 +10,7 @@ parallel rank) holding it; other ranks take part in the gathers and yield nothin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,33 +76,66 @@ class Ownership:
 TensorSource = Callable[[int, LocalTensor], torch.Tensor | list[torch.Tensor]]
 
 
-def iter_hf_tensors(
-    chunks: list[Any],
-    arch: ModelArch,
-    layout: ParallelLayout,
-    source: TensorSource | None = None,
-    ownership: Ownership | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF tensors owned by this rank, in model order.
+@dataclass(frozen=True, slots=True)
+class ExportUnit:
+    """The tensors of one unit of a chunk, in model order: what comes before the decoder layers
+    (the embedding), one decoder layer, or what comes after them (final norm, output layer). Ranks
+    of one (expert-)tensor-parallel group have the same units, so their gathers of a unit match;
+    the weight sync exchanges what the owners produced once per unit (`trainer/weight_sync.py`)."""
+
+    chunk: int
+    layer: int | None
+    locals: tuple[LocalTensor, ...]
+
+
+class Exporter:
+    """Full HF tensors owned by this rank, unit by unit.
 
     `source(chunk_index, local)` supplies a tensor's values (or its row blocks) when the chunks live
     on the meta device (the converter streams them from a checkpoint); by default the chunks' own
-    tensors are used.
-    `ownership` says which replica produces what (default: replica 0 produces everything)."""
-    rules = rules_for(arch)
-    ctx = ShardContext(arch, layout)
-    ownership = ownership or Ownership(chunks, spread=False)
-    for index, chunk in enumerate(chunks):
-        for local in local_tensors(chunk, ctx.expert_offset):
-            match = rules.match(local.name)
+    tensors are used. `ownership` says which replica produces what (default: replica 0 produces
+    everything)."""
+
+    def __init__(
+        self,
+        chunks: list[Any],
+        arch: ModelArch,
+        layout: ParallelLayout,
+        source: TensorSource | None = None,
+        ownership: Ownership | None = None,
+    ) -> None:
+        self.chunks, self.arch, self.source = chunks, arch, source
+        self.rules = rules_for(arch)
+        self.ctx = ShardContext(arch, layout)
+        self.ownership = ownership or Ownership(chunks, spread=False)
+
+    def units(self) -> list[ExportUnit]:
+        units: list[ExportUnit] = []
+        for index, chunk in enumerate(self.chunks):
+            current: list[LocalTensor] = []
+            for local in local_tensors(chunk, self.ctx.expert_offset):
+                if current and local_layer(local.local_name) != local_layer(current[-1].local_name):
+                    units.append(ExportUnit(index, local_layer(current[-1].local_name), tuple(current)))
+                    current = []
+                current.append(local)
+            if current:
+                units.append(ExportUnit(index, local_layer(current[-1].local_name), tuple(current)))
+        return units
+
+    def tensors(self, unit: ExportUnit) -> Iterator[tuple[str, torch.Tensor]]:
+        """The unit's HF tensors this rank owns; every rank of a tensor's group takes part in its
+        gather, owner or not."""
+        arch, ctx = self.arch, self.ctx
+        for local in unit.locals:
+            match = self.rules.match(local.name)
             if match is None:
                 raise BridgeError(
                     f"no conversion rule for Megatron tensor `{local.name}` ({arch.model_type})"
                 )
             rule, hf_names = match
-            if not rule.export or not ownership.owns(index, local.local_name):
+            if not rule.export or not self.ownership.owns(unit.chunk, local.local_name):
                 continue
-            tensor = local.tensor if source is None else source(index, local)
+            tensor = local.tensor if self.source is None else self.source(unit.chunk, local)
             if isinstance(tensor, list):  # row blocks: a GLU weight's halves are its HF tensors
                 if rule.kind == "gate_up" and len(tensor) == 2 and ctx.group(local)[1] == 1:
                     yield from zip(hf_names, tensor, strict=True)
@@ -113,6 +147,19 @@ def iter_hf_tensors(
                 continue
             full = unshard(rule.kind, shards, local.partition_dim)
             yield from zip(hf_names, megatron_full_to_hf(rule.kind, full, arch), strict=True)
+
+
+def iter_hf_tensors(
+    chunks: list[Any],
+    arch: ModelArch,
+    layout: ParallelLayout,
+    source: TensorSource | None = None,
+    ownership: Ownership | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors owned by this rank, in model order (`Exporter`, every unit in turn)."""
+    exporter = Exporter(chunks, arch, layout, source, ownership)
+    for unit in exporter.units():
+        yield from exporter.tensors(unit)
 
 
 def export_hf_buckets(

@@ -47,7 +47,12 @@ def run_training(config: SlimConfig) -> Path:
     """Run the whole job and return its run directory."""
     import ray
 
-    from slimrl.orchestration.placement import TRAIN_SHARE_COLOCATED, create_device_slots, start_ray
+    from slimrl.orchestration.placement import (
+        TRAIN_SHARE_COLOCATED,
+        create_device_slots,
+        run_ledger,
+        start_ray,
+    )
     from slimrl.orchestration.trainer_group import TrainerGroup
     from slimrl.trainer import checkpoint
 
@@ -69,7 +74,8 @@ def run_training(config: SlimConfig) -> Path:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         slots = create_device_slots(total_slots, use_gpu=device == "cuda")
-        trainers = TrainerGroup(config, slots, world, share=TRAIN_SHARE_COLOCATED)
+        ledger = run_ledger(config, slots, device)  # the GPU's rules on the real placement
+        trainers = TrainerGroup(config, slots, world, share=TRAIN_SHARE_COLOCATED, ledger=ledger)
         if config.algorithm.loss == "sft":
             from slimrl.orchestration.sft_loop import run_sft
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import EngineSeat, Slot, order_slots
+from slimrl.devices.ledger import Ledger
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class DeviceSlots:
     use_gpu: bool
     layout: list[Slot] = field(default_factory=list)
     """Node and device of each slot, in slot order (what `launch_plan` computes seats from)."""
+    uuids: dict[tuple[str, int], str] = field(default_factory=dict)
+    """GPU UUID of each (node, device) on GPUs (the device ledger's); empty on CPU."""
 
     def strategy(self, slot: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -88,12 +91,20 @@ def engine_actor_options(slots: DeviceSlots, seat: EngineSeat, share: float) -> 
     return options
 
 
-def _bundle_location() -> tuple[str, str, int]:
+def _bundle_location() -> tuple[str, str, int, str | None]:
+    """(node IP, Ray node id, GPU id, GPU UUID) of the bundle this probe runs in; Ray narrows
+    `CUDA_VISIBLE_DEVICES` to the bundle's GPU, so `cuda:0` is that GPU."""
     import ray
 
     gpu_ids = ray.get_gpu_ids()
     node_id = ray.get_runtime_context().get_node_id()
-    return ray.util.get_node_ip_address(), node_id, int(gpu_ids[0]) if gpu_ids else 0
+    uuid = None
+    if gpu_ids:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    return ray.util.get_node_ip_address(), node_id, int(gpu_ids[0]) if gpu_ids else 0, uuid
 
 
 def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
@@ -103,6 +114,24 @@ def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
     for ip, node_id, _ in probes:
         ids_of.setdefault(ip, set()).add(node_id)
     return [(ip if len(ids_of[ip]) == 1 else f"{ip}/{node_id[:8]}", dev) for ip, node_id, dev in probes]
+
+
+def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
+    """The device ledger of the placement Ray gave this run (its nodes, its GPUs' UUIDs), checked
+    by the GPU's rules like the config's own layout was at load."""
+    from slimrl.config.checks import train_world_size, weight_transport
+    from slimrl.devices.ledger import build_ledger
+    from slimrl.devices.rank_groups import Sizes
+    from slimrl.devices.rules import check_ledger
+    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.trainer.parallel import ParallelLayout
+
+    arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
+    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    transport = weight_transport(config) if config.algorithm.loss == "policy" else None
+    ledger = build_ledger(config, slots.layout, device, Sizes.of(layout), transport, slots.uuids or None)
+    check_ledger(ledger)
+    return ledger
 
 
 def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
@@ -124,5 +153,9 @@ def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
             for i in range(num_slots)
         ]
     )
-    order, layout = order_slots(node_labels(probes), use_gpu)
-    return DeviceSlots(placement_group=group, ordered_bundles=order, use_gpu=use_gpu, layout=layout)
+    labels = node_labels([probe[:3] for probe in probes])
+    order, layout = order_slots(labels, use_gpu)
+    uuids = {(node, dev): probe[3] for (node, dev), probe in zip(labels, probes, strict=True) if probe[3]}
+    return DeviceSlots(
+        placement_group=group, ordered_bundles=order, use_gpu=use_gpu, layout=layout, uuids=uuids
+    )

@@ -128,7 +128,9 @@ class RLRun:
         self.fleet.control("pause_generation", {"mode": "retract"})
         sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
         self.handoff.before_push()
-        self.trainers.push_weights(self.fleet.urls, self.transport, version, sync_dir)
+        trace_dir = self.run_dir / "weight_sync_trace"
+        timeout = self.config.rollout.weight_sync_timeout_s
+        self.trainers.push_weights(self.fleet.urls, self.transport, version, sync_dir, trace_dir, timeout)
         self.handoff.after_push()
         self.fleet.control("continue_generation")
         return time.perf_counter() - start

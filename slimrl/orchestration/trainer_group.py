@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.ledger import Ledger
 from slimrl.orchestration.placement import DeviceSlots
 from slimrl.trainer.batch import TrainBatch
 
@@ -22,7 +23,14 @@ class _RankAddress:
 
 
 class TrainerGroup:
-    def __init__(self, config: SlimConfig, slots: DeviceSlots, world_size: int, share: float) -> None:
+    def __init__(
+        self,
+        config: SlimConfig,
+        slots: DeviceSlots,
+        world_size: int,
+        share: float,
+        ledger: Ledger | None = None,
+    ) -> None:
         import ray
 
         remote_actor = ray.remote(_ActorHost)
@@ -36,7 +44,8 @@ class TrainerGroup:
         # Not waited for here: the rank processes start and import while the caller goes on (the
         # RL loop starts the rollout fleet meanwhile); setup() collects them, and their errors.
         self._created = [
-            actor.create.remote(config, rank, world_size, address) for rank, actor in enumerate(self.actors)
+            actor.create.remote(config, rank, world_size, address, ledger)
+            for rank, actor in enumerate(self.actors)
         ]
         self.dp_rank_of: list[int] = []
 
@@ -104,9 +113,34 @@ class TrainerGroup:
     def onload(self) -> None:
         self.run("onload")
 
-    def push_weights(self, urls: list[str], transport: str, version: int, sync_dir: str | None) -> None:
-        """Every rank streams its share of the weights to the engines (`trainer/weight_sync.py`)."""
-        self.run("push_weights", None, urls, transport, str(version), sync_dir)
+    def push_weights(
+        self,
+        urls: list[str],
+        transport: str,
+        version: int,
+        sync_dir: str | None,
+        trace_dir: Path,
+        timeout_s: float,
+    ) -> None:
+        """Every rank streams its share of the weights to the engines (`trainer/weight_sync.py`).
+        A sync past `timeout_s` is hung: one line names what every rank waits in."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        from slimrl.errors import SlimError
+        from slimrl.weight_sync.collectives import hang_report
+
+        calls = [
+            a.call.remote("push_weights", urls, transport, str(version), sync_dir, str(trace_dir))
+            for a in self.actors
+        ]
+        try:
+            ray.get(calls, timeout=timeout_s)
+        except GetTimeoutError:
+            raise SlimError(
+                f"weight sync to version {version} did not finish in {timeout_s:.0f} s "
+                f"(rollout.weight_sync_timeout_s): {hang_report(trace_dir, self.world_size)}"
+            ) from None
 
     def shutdown(self) -> None:
         import ray
@@ -124,14 +158,16 @@ class _ActorHost:
     def pick_address(self) -> tuple[str, int]:
         return _RankAddress.pick()
 
-    def create(self, config: SlimConfig, rank: int, world_size: int, address: tuple[str, int]) -> None:
+    def create(
+        self, config: SlimConfig, rank: int, world_size: int, address: tuple[str, int], ledger: Ledger | None
+    ) -> None:
         from slimrl.compat import megatron_cpu
         from slimrl.trainer.actor import MegatronActor
         from slimrl.trainer.distributed import RankInfo
 
         master_addr, master_port = address
         info = RankInfo(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
-        self.actor = MegatronActor(config, info)
+        self.actor = MegatronActor(config, info, ledger)
         # The first thing setup() does, done now while the fleet starts: on CPU, import and patch
         # Megatron-Core (seconds of imports, no memory); a no-op on GPU machines.
         megatron_cpu.apply()

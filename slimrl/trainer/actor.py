@@ -18,6 +18,7 @@ import torch
 
 from slimrl.config.checks import train_world_size
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
@@ -32,7 +33,7 @@ from slimrl.trainer.batch import (
     split_fixed,
 )
 from slimrl.trainer.critic import Critic
-from slimrl.trainer.distributed import RankInfo, init_distributed, use_cuda
+from slimrl.trainer.distributed import RankInfo, check_groups_against_ledger, init_distributed, use_cuda
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
 from slimrl.trainer.offload import Offloader
 from slimrl.trainer.parallel import ParallelLayout
@@ -45,9 +46,11 @@ logger = logging.getLogger(__name__)
 
 
 class MegatronActor:
-    def __init__(self, config: SlimConfig, rank_info: RankInfo) -> None:
+    def __init__(self, config: SlimConfig, rank_info: RankInfo, ledger: Ledger | None = None) -> None:
         self.config = config
         self.rank_info = rank_info
+        self.ledger = ledger
+        """The run's device ledger (the driver's); None outside a run (torchrun workers, tools)."""
         self.arch: ModelArch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
         self.layout = ParallelLayout.resolve(config.parallel, train_world_size(config), self.arch)
         self.state: TrainState | None = None
@@ -65,6 +68,8 @@ class MegatronActor:
     def setup(self, total_steps: int) -> dict[str, Any]:
         """Join the process group, build the model (and its optimizer), return a summary."""
         init_distributed(self.rank_info, self.layout, self.config.run.seed)
+        if self.ledger is not None:
+            check_groups_against_ledger(self.ledger, self.rank_info.rank)
         options = self.options = build_options(self.config, use_cuda())
         chunks = build_gpt_chunks(self.arch, self.layout, options, self.config.train.max_seq_len)
         if self.config.model.init_from_hf:
@@ -338,15 +343,19 @@ class MegatronActor:
 
     # ---------------------------------------------------------------- weight sync
     def push_weights(
-        self, urls: list[str], transport: str, version: str, sync_dir: str | None = None
+        self,
+        urls: list[str],
+        transport: str,
+        version: str,
+        sync_dir: str | None = None,
+        trace_dir: str | None = None,
     ) -> dict[str, float]:
         """Stream the current weights (HF names) to every rollout engine."""
         from slimrl.trainer.weight_sync import push_weights
 
         rollout = self.config.rollout
         return push_weights(
-            self, urls, transport, version, rollout.update_weight_buffer_bytes, sync_dir,
-            rollout.api_key, rollout.admin_api_key,
+            self, urls, transport, version, sync_dir, rollout.api_key, rollout.admin_api_key, trace_dir,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- checkpoints

@@ -10,6 +10,7 @@ import datetime
 import os
 from dataclasses import dataclass
 
+from slimrl.devices.ledger import Ledger
 from slimrl.trainer.parallel import ParallelLayout
 from slimrl.utils.net import bound_tcp_store
 
@@ -68,6 +69,37 @@ def init_distributed(info: RankInfo, layout: ParallelLayout, seed: int, timeout_
         )
     layout.initialize()
     seed_everything(seed)
+
+
+def check_groups_against_ledger(ledger: Ledger, rank: int) -> None:
+    """The groups Megatron built on this rank are the ledger's, on which the GPU's rules were
+    checked before anything started (`slimrl/devices`): its rank arithmetic is ours, verified."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from slimrl.errors import SlimError
+
+    built = {
+        "tensor_parallel": mpu.get_tensor_model_parallel_group(),
+        "pipeline_parallel": mpu.get_pipeline_model_parallel_group(),
+        "context_parallel": mpu.get_context_parallel_group(),
+        "data_parallel": mpu.get_data_parallel_group(with_context_parallel=True),
+        "model_parallel": mpu.get_model_parallel_group(),
+        "expert_parallel": mpu.get_expert_model_parallel_group(),
+        "expert_tensor_parallel": mpu.get_expert_tensor_parallel_group(),
+        "expert_data_parallel": mpu.get_expert_data_parallel_group(),
+        "expert_model_parallel": mpu.get_expert_tensor_and_model_parallel_group(),
+        "embedding": mpu.get_embedding_group(),
+    }
+    me = f"trainer/{rank}"
+    for purpose, group in built.items():
+        actual = tuple(f"trainer/{r}" for r in dist.get_process_group_ranks(group))
+        expected = next((g.members for g in ledger.groups if g.purpose == purpose and me in g.members), (me,))
+        if actual != expected:
+            raise SlimError(
+                f"rank {rank}: Megatron's {purpose} group is {list(actual)}, the device ledger's "
+                f"{list(expected)}; the GPU rules were checked on the ledger's"
+            )
 
 
 def seed_everything(seed: int) -> None:

@@ -1,10 +1,11 @@
 """Trainer side of the weight sync: the bridge's streaming export, pushed to every engine.
 
-Every HF tensor has exactly one owner rank (see `megatron_bridge/export.py`); owners push their
-buckets through the configured `WeightTransport` (`slimrl/weight_sync/transports.py`), all other
-ranks only take part in the gathers. Rank 0 opens the engines' weight-update session before the
-first bucket and, after the last, closes it and flushes their prefix caches (computed with the
-old weights). SGLang refuses tensor and distributed updates outside a session.
+Every HF tensor has exactly one owner rank (see `megatron_bridge/export.py`). The export runs in
+rounds, one model unit each, and the configured `WeightTransport` (`weight_sync/transports.py`)
+exchanges each round's tensors between the ranks and the engines. Rank 0 opens the engines'
+weight-update session before the first round and, after the last, closes it and flushes their
+prefix caches (computed with the old weights).
+SGLang refuses tensor and distributed updates outside a session.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.export import export_hf_buckets
+from slimrl.megatron_bridge.export import Exporter
+from slimrl.weight_sync import collectives
 from slimrl.weight_sync.engines import Engine, EngineCalls
 from slimrl.weight_sync.fp8 import fp8_bucket
 from slimrl.weight_sync.transports import SyncTarget, make_transport
@@ -31,6 +33,7 @@ def sync_target(
     actor: MegatronActor, urls: list[str], version: str, sync_dir: str | None, calls: EngineCalls
 ) -> SyncTarget:
     """The same description of the sync on every rank (rank 0 picks the group's port)."""
+    from slimrl.megatron_bridge.bucketing import load_together
     from slimrl.utils.net import free_port, node_address
 
     address: list[object] = [(node_address(), free_port()) if dist.get_rank() == 0 else None]
@@ -47,7 +50,9 @@ def sync_target(
     return SyncTarget(
         engines=[Engine(url, tp_size) for url in urls], calls=calls, version=version,
         rank=dist.get_rank(), world_size=dist.get_world_size(), device=device,
+        bucket_bytes=rollout.update_weight_buffer_bytes, together=load_together(actor.arch),
         directory=Path(sync_dir) if sync_dir else None, group_address=host, group_port=port,
+        ledger=actor.ledger,
     )  # fmt: skip
 
 
@@ -56,12 +61,16 @@ def push_weights(
     urls: list[str],
     transport: str,
     version: str,
-    bucket_bytes: int,
     sync_dir: str | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
+    trace_dir: str | None = None,
 ) -> dict[str, float]:
-    """All training ranks call this together; returns bytes pushed by this rank and seconds."""
+    """All training ranks call this together; returns bytes pushed by this rank and seconds.
+
+    The export runs in rounds, one per model unit (`Exporter.units`): the number of rounds is the
+    most units any rank has, and every rank calls the transport's `exchange` in every round, with
+    what it owns of its unit (nothing once its units are done)."""
     assert actor.state is not None
     start = time.perf_counter()
     target = sync_target(actor, urls, version, sync_dir, EngineCalls(api_key, admin_api_key))
@@ -69,26 +78,34 @@ def push_weights(
         target.directory.mkdir(parents=True, exist_ok=True)
     sender = make_transport(transport, target)
     pushed = 0
-    with ThreadPoolExecutor(max_workers=max(len(urls), 1) + 1) as pool:
+    fp8 = actor.config.rollout.sglang.quantization == "fp8"  # engines serve block FP8
+    with (
+        ThreadPoolExecutor(max_workers=max(len(urls), 1) + 1) as pool,
+        collectives.Watchdog(Path(trace_dir) if trace_dir else None, target.rank),
+    ):
         if target.rank == 0 and sender.session:
             target.calls.begin(pool, target.engines)
-        dist.barrier()
+        collectives.barrier()
         try:
-            fp8 = actor.config.rollout.sglang.quantization == "fp8"  # engines serve block FP8
-            for bucket in export_hf_buckets(actor.state.model, actor.arch, actor.layout, bucket_bytes):
-                sender.send(pool, fp8_bucket(bucket) if fp8 else bucket)
-                pushed += sum(t.numel() * t.element_size() for _, t in bucket)
+            exporter = Exporter(actor.state.model, actor.arch, actor.layout)
+            units = exporter.units()
+            for index in range(collectives.all_reduce_max(len(units))):
+                collectives.set_round(index)
+                unit = list(exporter.tensors(units[index])) if index < len(units) else []
+                sender.exchange(pool, fp8_bucket(unit) if fp8 and unit else unit)
+                pushed += sum(t.numel() * t.element_size() for _, t in unit)
+            collectives.set_round(-1)
             sender.finish(pool)
         except BaseException:
             if target.rank == 0 and sender.session:  # leave no engine stuck in an open session
                 _end_sessions(target, pool, quiet=True)
             raise
-        dist.barrier()
+        collectives.barrier()
         if target.rank == 0:
             if sender.session:
                 _end_sessions(target, pool)
             target.calls.each(pool, target.engines, lambda e: target.calls.post(e.url, "flush_cache"))
-    dist.barrier()
+    collectives.barrier()
     return {"bytes": float(pushed), "seconds": time.perf_counter() - start}
 
 

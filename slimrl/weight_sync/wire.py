@@ -78,6 +78,22 @@ def flattened_bucket(
     return {"flattened_tensor": buffer, "metadata": metadata}
 
 
+def bucket_metadata(named: Sequence[tuple[str, torch.Tensor]]) -> list[SimpleNamespace]:
+    """The metadata `flattened_bucket` writes for `named`, from shapes and dtypes alone (meta
+    tensors will do): ranks that receive a bucket build it without its bytes."""
+    metadata, offset = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metadata.append(
+            SimpleNamespace(
+                name=name, shape=torch.Size(tensor.shape), dtype=tensor.dtype,
+                start_idx=offset, end_idx=offset + nbytes, numel=nbytes,
+            )
+        )  # fmt: skip
+        offset += nbytes
+    return metadata
+
+
 def packed_nbytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, tensor in named)
 
@@ -180,15 +196,44 @@ def file_system_sharing() -> Iterator[None]:
             torch_mp.set_sharing_strategy(previous)
 
 
+# Position of the storage's device in the arguments of torch's `rebuild_cuda_tensor` (SGLang 0.5.23
+# `patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX`; tests/test_weight_wire.py checks both).
+CUDA_DEVICE_ARG = 6
+
+
+def cuda_reduction_by_uuid(reduced: tuple[Any, tuple[Any, ...]], uuid_of: Any) -> tuple[Any, tuple[Any, ...]]:
+    """torch's reduction of a CUDA tensor with the device ordinal replaced by the GPU's UUID, as
+    SGLang's own `_reduce_tensor_modified` sends it. Under Ray every trainer rank sees its one GPU
+    as `cuda:0`; an engine rank sees the whole node, so an ordinal would map every bucket onto the
+    node's first GPU. SGLang's scheduler rebuilds with `_rebuild_cuda_tensor_modified`, which finds
+    the local ordinal of the UUID."""
+    rebuild, args = reduced
+    return rebuild, (*args[:CUDA_DEVICE_ARG], uuid_of(args[CUDA_DEVICE_ARG]), *args[CUDA_DEVICE_ARG + 1 :])
+
+
+def _gpu_uuid(ordinal: int) -> str:
+    return str(torch.cuda.get_device_properties(ordinal).uuid)
+
+
+class _UuidPickler(ForkingPickler):
+    """ForkingPickler whose CUDA tensors carry their GPU's UUID (its CPU tensors: torch's own)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return cuda_reduction_by_uuid(torch.multiprocessing.reductions.reduce_tensor(obj), _gpu_uuid)
+        return NotImplemented
+
+
 def serialize(obj: Any) -> str:
-    """`MultiprocessingSerializer.serialize(obj, output_str=True)`: base64 of a ForkingPickler pickle."""
+    """`MultiprocessingSerializer.serialize(obj, output_str=True)` as SGLang's scheduler decodes it:
+    base64 of a ForkingPickler pickle, CUDA tensors by GPU UUID (SGLang's patched reductions)."""
     buf = io.BytesIO()
     if _has_cpu_tensor(obj):
         _start_shm_manager_detached()
         with file_system_sharing():
             ForkingPickler(buf).dump(obj)
     else:
-        ForkingPickler(buf).dump(obj)
+        _UuidPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

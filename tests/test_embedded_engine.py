@@ -308,12 +308,14 @@ def test_pause_in_place_and_retract_resume_exactly(engine, reference):
     assert engine.flush_cache().result(10) is True
 
 
-def test_release_memory_refuses_generation(engine):
+def test_release_memory_refuses_generation(engine, moe_path):
     engine.release_memory(None).result(10)
     with pytest.raises(EngineUnavailable):
         engine.submit(_greedy_req([5, 6], 2))
     engine.resume_memory(["kv_cache", "cuda_graph"]).result(10)
     assert engine.generate(_greedy_req([5, 6], 2)).completion_tokens == 2
+    engine.resume_memory(["weights"]).result(10)  # lost (NaN) while released: load them again
+    engine.update_weights_from_disk(moe_path).result(30)
 
 
 def test_routed_experts_are_the_routers_choices(engine, reference):

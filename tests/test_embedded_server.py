@@ -313,6 +313,8 @@ def test_release_and_resume_memory(server):
     assert response.status_code == 503 and "resume" in response.json()["error"]["message"]
     assert server.post("/resume_memory_occupation", None).status_code == 200
     assert len(_out(server, PROMPT, 2)) == 2
+    # The released weights came back as NaN (tests/test_memory_release.py): load them again.
+    assert server.post("/update_weights_from_disk", {"model_path": str(server.model)}).status_code == 200
 
 
 def test_update_weights_from_disk(server, refs):

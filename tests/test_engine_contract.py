@@ -2,13 +2,16 @@
 
 Every test runs against both, on the tiny Qwen3-MoE in float32; what real SGLang does is the
 contract, and the embedded engine was changed wherever it differed. One server per engine kind
-serves the whole module (a real SGLang start takes 20-45 s and ~4 GB).
+serves the whole module (a real SGLang start takes 20-45 s and ~4 GB); it runs colocated, so real
+SGLang has `--enable-memory-saver` (on CPU: slimrl/compat/sglang_cpu/memory_saver.py) and a memory
+release loses the weights as on a GPU. Only the last tests start servers of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +30,7 @@ from slimrl.rollout.generate import RolloutContext, generate, sampling_params_fo
 from slimrl.rollout.sample_checks import GENERATE_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.weight_sync.engines import auth_header
-from tests.engines import ENGINES, engine_config, hf_routing, running_engines
+from tests.engines import ENGINES, engine_config, hf_routing, running_engines, start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -469,3 +472,56 @@ def test_admin_key_guards_control_calls_not_generation(engine: Engine) -> None:
     assert requests.post(f"{engine.url}/generate", json=body, timeout=60).status_code == 200
     assert requests.get(f"{engine.url}/get_model_info", timeout=30).status_code == 200
     assert requests.get(f"{engine.url}/health", timeout=30).status_code == 200
+
+
+# ---------------------------------------------------------------------- memory release (colocation)
+
+BOTH_TAGS = {"tags": ["weights", "kv_cache"]}
+
+
+def _logprobs(out: dict[str, Any]) -> list[float | None]:
+    return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_released_weights_are_lost_until_an_update_is_pushed(engine: Engine) -> None:
+    """As SGLang's memory saver on a GPU: after release + resume the weights are garbage (NaN on
+    CPU: the logits are NaN, greedy picks token 0, the NaN logprobs are JSON null); the weights
+    pushed after the resume bring the exact answer back."""
+    params = {**GREEDY, "max_new_tokens": 4}
+    good = engine.generate(PROMPT, params, return_logprob=True)
+    for endpoint in ("release_memory_occupation", "resume_memory_occupation"):
+        reply = engine.post(endpoint, BOTH_TAGS)
+        assert reply.status_code == 200 and reply.json() is None, reply.text
+    lost = engine.generate(PROMPT, params, return_logprob=True)
+    assert _logprobs(lost) == [None] * 4 and lost["output_ids"] == [0] * 4
+    pushed = engine.post("update_weights_from_disk", {"model_path": str(engine.model)})
+    assert pushed.status_code == 200, pushed.text
+    again = engine.generate(PROMPT, params, return_logprob=True)
+    assert again["output_ids"] == good["output_ids"] and _logprobs(again) == _logprobs(good)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_backed_up_weights_survive_and_resuming_what_is_held_kills_the_server(
+    kind: str, tiny_model, tmp_path: Path
+) -> None:
+    """With `rollout.sglang.weights_cpu_backup` (SGLang's `--enable-weights-cpu-backup`) released
+    weights come back exactly. Resuming a tag the engine holds is fatal, as in SGLang (its
+    scheduler's `offload_tags.remove` raises KeyError): no reply, an error in the log, and the
+    server process is gone, so an orchestrator that gets the order wrong finds out."""
+    model = tiny_model("qwen3_moe")
+    server = start_engine(kind, model, tmp_path, 0, "rollout.sglang.weights_cpu_backup=true")
+    try:
+        url, params = server.url, {**GREEDY, "max_new_tokens": 4}
+        body = {"input_ids": PROMPT, "sampling_params": params, "return_logprob": True}
+        good = requests.post(f"{url}/generate", json=body, timeout=120).json()
+        assert all(isinstance(lp, float) and math.isfinite(lp) for lp in _logprobs(good))
+        for endpoint in ("release_memory_occupation", "resume_memory_occupation"):
+            assert requests.post(f"{url}/{endpoint}", json=BOTH_TAGS, timeout=60).status_code == 200
+        kept = requests.post(f"{url}/generate", json=body, timeout=120).json()
+        assert kept["output_ids"] == good["output_ids"] and _logprobs(kept) == _logprobs(good)
+        with pytest.raises(requests.ConnectionError):
+            requests.post(f"{url}/resume_memory_occupation", json={"tags": ["weights"]}, timeout=60)
+        assert server.process is not None and server.process.wait(timeout=60) != 0
+        assert "KeyError: 'weights'" in server.log_path.read_text(errors="replace")
+    finally:
+        server.stop()

@@ -23,11 +23,12 @@ from tests.conftest import REPO
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 VARIANTS = {
     "as shipped": [],
-    "true on-policy + keys + replay": [
+    "true on-policy + keys + replay + weights backup": [
         "algorithm.true_on_policy=true",
         "rollout.api_key=k",
         "rollout.admin_api_key=a",
         "algorithm.routing_replay=true",
+        "rollout.sglang.weights_cpu_backup=true",
     ],
 }
 
@@ -69,7 +70,8 @@ def _expected(config: SlimConfig, index: int, base: int, on_cpu: bool) -> dict[s
         "enable_dp_attention": sglang.dp_attention, "attention_backend": backend,
         "quantization": sglang.quantization, "random_seed": config.run.seed + index,
         "api_key": rollout.api_key, "admin_api_key": rollout.admin_api_key,
-        "enable_memory_saver": config.cluster.colocate and not on_cpu,
+        "enable_memory_saver": config.cluster.colocate,  # on CPU: sglang_cpu/memory_saver.py
+        "enable_weights_cpu_backup": sglang.weights_cpu_backup,
         "enable_deterministic_inference": config.algorithm.true_on_policy and not on_cpu,
         "enable_return_routed_experts": config.algorithm.routing_replay,
     }  # fmt: skip

@@ -134,6 +134,9 @@ class SGLangConfig:
     """Passed through to `sglang.launch_server` as `--key value` (e.g. speculative decoding)."""
     server_timeout_s: float = 600.0
     """How long a server may take to become healthy."""
+    weights_cpu_backup: bool = False
+    """Keep a host copy of the weights across a memory release (`--enable-weights-cpu-backup`); off:
+    released weights are lost and must be pushed again after the resume."""
 
 
 @_section

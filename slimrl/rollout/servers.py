@@ -167,6 +167,8 @@ def embedded_command(config: SlimConfig, model_path: str, host: str, port: int, 
         cmd += ["--admin-api-key", config.rollout.admin_api_key]
     if config.algorithm.true_on_policy:
         cmd += ["--true-on-policy"]
+    if config.rollout.sglang.weights_cpu_backup:  # the same memory-release contract as SGLang's
+        cmd += ["--enable-weights-cpu-backup"]
     return cmd
 
 

@@ -11,6 +11,10 @@ SGLang 0.5.23 serves tiny Qwen3, Qwen3-MoE, Qwen2 and Llama models on CPU with i
   would otherwise take ~1.7 GB whatever `--mem-fraction-static` says).
 - host buffers allocated without CUDA host registration (`host_memory.py`, installed by the
   stand-in's import): `--enable-return-routed-experts` (routing replay) otherwise kills the server.
+- a memory saver that loses memory as a GPU does (`memory_saver.py`, installed by the stand-in's
+  import): with `--enable-memory-saver` (colocated runs) SGLang's own release/resume code runs, and
+  released weights come back as NaN unless `--enable-weights-cpu-backup` kept a host copy
+  (torch_memory_saver needs CUDA, and the release's device synchronize crashed without it).
 GPU servers never see any of this: `server_args.py` asks `cpu_launch()` only when the engines run
 on CPU.
 """

@@ -14,14 +14,12 @@ their PYTHONPATH); the patch is applied as soon as SGLang's module is loaded, wh
 
 from __future__ import annotations
 
-import importlib.abc
-import sys
-from collections.abc import Callable
-from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from slimrl.compat.sglang_cpu.import_hook import patch_when_loaded
 
 TARGET = "sglang.srt.mem_cache.pool_host.common"
 
@@ -45,33 +43,6 @@ def patch(module: ModuleType) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = alloc_unpinned
 
 
-class _PatchAfterLoad(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of `name` so `then` runs once it has loaded."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one module, once; and the real finders must answer below
-        spec = PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        load, then = spec.loader.exec_module, self.then
-
-        def exec_then_patch(module: ModuleType) -> None:
-            load(module)
-            then(module)
-
-        spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Patch SGLang's host allocation now if loaded, else right after it loads."""
-    loaded = sys.modules.get(TARGET)
-    if loaded is not None:
-        patch(loaded)
-    elif not any(isinstance(f, _PatchAfterLoad) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterLoad(TARGET, patch))
+    patch_when_loaded(TARGET, patch)

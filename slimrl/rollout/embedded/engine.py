@@ -34,8 +34,17 @@ model: prompt + generated - 1 rows (the last sampled token is never fed), like S
 Pause modes follow SGLang: "abort" aborts everything in flight; "in_place" freezes the running
 batch with its KV cache; "retract" drops the KV caches and puts the requests back in the queue,
 to be re-prefilled (prompt + tokens so far) after `continue`, so they resume under the weights
-current at that time. "Releasing memory" on CPU drops the KV caches and refuses new generation
-until resumed (the weights stay in RAM: there is no GPU memory to hand back).
+current at that time.
+
+Releasing memory behaves as SGLang's memory saver on a GPU (its CPU stand-in,
+`slimrl/compat/sglang_cpu/memory_saver.py`, is the referee): releasing `kv_cache` drops the KV
+caches and refuses new generation until resumed; releasing `weights` loses them (every parameter
+becomes NaN; buffers survive, as SGLang stashes and restores its buffers) unless the engine keeps a
+host backup (`weights_cpu_backup`, SGLang's `--enable-weights-cpu-backup`), copied back on resume:
+without it the weights must be loaded again after the resume. A rescorer with `refresh` follows the
+live weights through both, so it cannot keep a good copy that hides lost weights. Resuming a tag
+that is not released is fatal (`EngineFatal`): the scheduler stops, as SGLang's scheduler dies on
+its `KeyError`, and the server exits, so a caller that gets the order wrong finds out.
 """
 
 from __future__ import annotations
@@ -99,6 +108,11 @@ class EngineUnavailable(EngineError):
     """Generation is refused right now (memory released, shutting down)."""
 
     status = 503
+
+
+class EngineFatal(EngineError):
+    """The scheduler cannot go on and stops (SGLang's scheduler process dies the same way); the
+    command that hit it fails with this, and `Engine.on_fatal` is told."""
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None) -> dict[str, Any]:
@@ -212,6 +226,7 @@ class Engine:
         rescorer: Rescorer | None = None,
         weight_version: str = "default",
         on_sample: SampleObserver | None = None,
+        weights_cpu_backup: bool = False,
         start: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -260,6 +275,12 @@ class Engine:
         self._kv = BatchKV()
         self._paused: str | None = None
         self._released: set[str] = set()
+        self.weights_cpu_backup = weights_cpu_backup
+        self._weights_backup: list[torch.Tensor] | None = None
+        self.fatal: EngineFatal | None = None
+        """Why the scheduler stopped, if it hit a fatal error."""
+        self.on_fatal: Callable[[EngineFatal], None] | None = None
+        """Called on the scheduler thread once it has stopped for a fatal error (the server exits)."""
         self._thread = threading.Thread(target=self._loop, name="slimrl-engine-scheduler", daemon=True)
         if start:
             self.start()
@@ -490,10 +511,46 @@ class Engine:
                 f"cannot release memory with {len(self._running) + len(self._waiting)} request(s) in flight"
             )
         self._kv.clear()
+        if "weights" in tags and "weights" not in self._released:
+            self._lose_weights()
         self._released |= tags
 
     def _resume(self, tags: Iterable[str] | None) -> None:
-        self._released -= self._check_tags(tags)
+        order = list(tags or MEMORY_TAGS)
+        chosen = self._check_tags(order)
+        for tag in order:  # SGLang: `offload_tags.remove(tag)` for each, in the caller's order
+            if tag not in self._released:
+                raise EngineFatal(
+                    f"resume_memory_occupation: memory tag {tag!r} is not released (SGLang's "
+                    f"scheduler dies here on KeyError: {tag!r})"
+                )
+        if "weights" in chosen and self._weights_backup is not None:
+            with torch.no_grad():
+                for param, saved in zip(self._served_parameters(), self._weights_backup, strict=True):
+                    param.copy_(saved)
+            self._weights_backup = None
+            self._refresh_rescorer()
+        self._released -= chosen
+
+    def _served_parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())  # tied ones once
+
+    def _lose_weights(self) -> None:
+        """What SGLang's memory saver does to released weights: back them up if asked, then NaN
+        (on a GPU the memory is unmapped and comes back undefined)."""
+        with torch.no_grad():
+            params = self._served_parameters()
+            if self.weights_cpu_backup:
+                self._weights_backup = [p.detach().clone() for p in params]
+            for param in params:
+                param.fill_(float("nan"))
+        self._refresh_rescorer()
+
+    def _refresh_rescorer(self) -> None:
+        """The rescorer's copy follows the live weights (lost ones too: it must not hide a loss)."""
+        refresh = getattr(self.rescorer, "refresh", None)
+        if refresh is not None:
+            refresh(self.targets)
 
     @staticmethod
     def _check_tags(tags: Iterable[str] | None) -> set[str]:
@@ -507,9 +564,7 @@ class Engine:
         if "weights" in self._released:  # with SGLang's memory saver the bytes would land nowhere
             raise EngineBusy("weights are released; resume_memory_occupation with tags [weights] first")
         count = load()
-        refresh = getattr(self.rescorer, "refresh", None)
-        if refresh is not None:  # keep the rescorer's copy of the weights in step
-            refresh(self.targets)
+        self._refresh_rescorer()
         if weight_version is not None:
             self._set_weight_version(str(weight_version))
         return count
@@ -557,19 +612,30 @@ class Engine:
                         self._commands.clear()
                         self._waiting.extend(self._incoming)
                         self._incoming.clear()
-                    for fn, future in commands:
+                    for index, (fn, future) in enumerate(commands):
                         self._run_command(fn, future)
+                        if self.fatal is not None:  # the rest fail in _shutdown
+                            with self._cv:
+                                self._commands.extendleft(reversed(commands[index + 1 :]))
+                            break
+                    if self.fatal is not None:
+                        log.error("scheduler hit a fatal error, stopping: %s", self.fatal)
+                        break
                     if self._can_step():
                         self._step()
             finally:
                 self._shutdown()
+        if self.fatal is not None and self.on_fatal is not None:
+            self.on_fatal(self.fatal)
 
-    @staticmethod
-    def _run_command(fn: Callable[[], Any], future: Future) -> None:
+    def _run_command(self, fn: Callable[[], Any], future: Future) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
             future.set_result(fn())
+        except EngineFatal as exc:
+            self.fatal = exc
+            future.set_exception(exc)
         except BaseException as exc:
             future.set_exception(exc)
 

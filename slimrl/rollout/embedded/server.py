@@ -16,6 +16,11 @@ the SGLang HTTP API reference, `sglang_http_api.md`); the deliberate differences
   made by `tensor_transport.init_weight_update_group`, which the trainer side must use as well;
 * `version` reports the SGLang API level mirrored (0.5.23); `engine` names this implementation.
 
+Memory release and resume behave as SGLang's memory saver (see `engine`): released weights are lost
+unless the server runs with `--enable-weights-cpu-backup`, and resuming a tag that is not released
+stops the scheduler; the server then exits as SGLang's does (the call gets no reply, the log an
+error line, the process a non-zero status).
+
 With `--api-key`, every endpoint except generation, health and the read-only info/load endpoints
 needs `Authorization: Bearer <key>` (401 otherwise).
 """
@@ -27,6 +32,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -41,7 +47,14 @@ from aiohttp import web
 
 import slimrl
 from slimrl.rollout.embedded import tensor_transport
-from slimrl.rollout.embedded.engine import PAUSE_MODES, Engine, EngineError, GenerateRequest, RequestError
+from slimrl.rollout.embedded.engine import (
+    PAUSE_MODES,
+    Engine,
+    EngineError,
+    EngineFatal,
+    GenerateRequest,
+    RequestError,
+)
 from slimrl.rollout.embedded.protocol import generate_response, parse_generate
 from slimrl.rollout.embedded.sampling import SamplingParams
 from slimrl.rollout.embedded.weights import WeightUpdateError
@@ -95,6 +108,8 @@ class ServerArgs:
     group_timeout_s: float = 120.0
     true_on_policy: bool = False
     """Report trainer-identical logprobs (`megatron_scorer.MegatronScorer`)."""
+    weights_cpu_backup: bool = False
+    """SGLang's `--enable-weights-cpu-backup`: released weights come back on resume (else NaN)."""
 
 
 def request_allowed(path: str, authorization: str | None, args: ServerArgs) -> bool:
@@ -137,6 +152,25 @@ def _error_body(status: int, message: str, path: str, validation: bool) -> dict[
     if path in SUCCESS_SHAPED:
         return {"success": False, "message": message}
     return {"error": {"message": message}}
+
+
+def _dumps(value: Any) -> str:
+    """JSON as SGLang's orjson writes it: NaN and infinities become null (lost weights give NaN
+    logprobs; `json.dumps` would write `NaN`, which is not JSON)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_null(value), allow_nan=False)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def _ok(message: str, **extra: Any) -> web.Response:
@@ -200,6 +234,8 @@ class EmbeddedServer:
         self._engine_factory = engine_factory or self._make_engine
         self.engine: Engine | None = None
         self.load_error: str | None = None
+        self.fatal_error: str | None = None
+        """Why the scheduler stopped (the server exits with it)."""
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
         self.started_at = time.time()
@@ -223,6 +259,7 @@ class EmbeddedServer:
             seed=self.args.seed,
             weight_version=self.args.weight_version,
             rescorer=rescorer,
+            weights_cpu_backup=self.args.weights_cpu_backup,
         )
 
     def _build_app(self) -> web.Application:
@@ -270,6 +307,10 @@ class EmbeddedServer:
         validation = False
         try:
             return await handler(request)
+        except EngineFatal:
+            # SGLang's server dies without answering: hold the call until the exit drops it.
+            await asyncio.Future()
+            raise
         except HttpError as exc:
             status, message, validation = exc.status, exc.message, isinstance(exc, BadBody)
         except (RequestError, WeightUpdateError) as exc:
@@ -333,8 +374,15 @@ class EmbeddedServer:
         if self.stopped.is_set():
             engine.stop()
             return
+        loop = asyncio.get_running_loop()
+        engine.on_fatal = lambda exc: loop.call_soon_threadsafe(self._scheduler_died, exc)
         self.engine = engine
         self.ready.set()
+
+    def _scheduler_died(self, exc: EngineFatal) -> None:
+        """The scheduler stopped for good: exit, as SGLang's server does when its scheduler dies."""
+        self.fatal_error = f"scheduler hit a fatal error: {exc}"
+        self.stopped.set()
 
     def _load_failed(self, message: str) -> None:
         self.load_error = message
@@ -370,7 +418,7 @@ class EmbeddedServer:
             generate_response(result, req, parsed, engine.tokenizer)
             for result, req in zip(results, parsed.requests, strict=True)
         ]
-        return web.json_response(items if parsed.is_batch else items[0])
+        return web.json_response(items if parsed.is_batch else items[0], dumps=_dumps)
 
     # ------------------------------------------------------------------ health and info
 
@@ -449,7 +497,8 @@ class EmbeddedServer:
                 "disaggregation_mode": "null",
                 "disaggregation_bootstrap_port": None,
                 "encoder_only": False,
-                "enable_memory_saver": False,
+                "enable_memory_saver": True,
+                "enable_weights_cpu_backup": self.args.weights_cpu_backup,
                 "enable_return_routed_experts": engine.is_moe,
                 "weight_version": engine.weight_version,
                 "random_seed": self.args.seed,
@@ -697,7 +746,7 @@ class EmbeddedServer:
             raw = int(raw)
         size = _field({"truncate_size": raw}, "truncate_size", int)
         values = await self._wait(engine.get_weights_by_name(name, size))
-        return web.json_response(values)
+        return web.json_response(values, dumps=_dumps)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """Open SGLang 0.5.23's session (nothing to restore here: no in-place quantisation)."""
@@ -747,8 +796,8 @@ async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None)
             loop.remove_signal_handler(sig)
         server.shutdown_engine()
         await runner.cleanup()
-    if server.load_error:
-        raise EngineError(server.load_error)
+    if server.load_error or server.fatal_error:
+        raise EngineError(server.load_error or server.fatal_error)
 
 
 def run(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:

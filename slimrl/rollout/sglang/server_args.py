@@ -54,7 +54,7 @@ class _Launch:
 
 
 def _gpu_only(value_of: Callable[[_Launch], FlagValue]) -> Callable[[_Launch], FlagValue]:
-    """A flag that only means something on GPUs (a CPU server has no GPU ids or memory saver)."""
+    """A flag that only means something on GPUs (a CPU server has no GPU ids or GPU memory share)."""
     return lambda launch: None if launch.on_cpu else value_of(launch)
 
 
@@ -89,8 +89,11 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     # Engines sample differently from each other but reproducibly across runs.
     ("random-seed", lambda launch: launch.config.run.seed + launch.engine_index),
     # Colocated engines must hand their GPU memory back while the trainer runs
-    # (/release_memory_occupation needs torch_memory_saver, which this flag turns on).
-    ("enable-memory-saver", _gpu_only(lambda launch: launch.config.cluster.colocate)),
+    # (/release_memory_occupation needs torch_memory_saver, which this flag turns on). CPU servers
+    # too: there slimrl/compat/sglang_cpu/memory_saver.py stands in, losing released memory as a
+    # GPU does (weights come back as NaN unless backed up), so a missing reload shows on CPU.
+    ("enable-memory-saver", lambda launch: launch.config.cluster.colocate),
+    ("enable-weights-cpu-backup", lambda launch: launch.config.rollout.sglang.weights_cpu_backup),
     # `--rl-on-policy-target fsdp` is deliberately absent: it switches SGLang's layers to the
     # numerics of an FSDP trainer, and slimrl's trainer is Megatron (see REFUSED_EXTRA_ARGS).
     ("enable-deterministic-inference", _gpu_only(lambda launch: launch.config.algorithm.true_on_policy)),

@@ -7,8 +7,10 @@ these two helpers; on CPUs without AMX SGLang then computes every layer with its
 Any other name imports (SGLang imports speculative-decoding kernels at module load) but raises
 NotImplementedError, naming the kernel, if it is ever called.
 
-Importing it also installs `slimrl.compat.sglang_cpu.host_memory` (host buffers allocated without
-CUDA host registration): this import is the first of ours to run in every server process.
+Importing it also installs the process's other CPU patches, this import being the first of ours to
+run in every server process: `slimrl.compat.sglang_cpu.host_memory` (host buffers allocated
+without CUDA host registration) and `slimrl.compat.sglang_cpu.memory_saver` (SGLang's memory saver
+on host memory: `--enable-memory-saver` releases lose their contents as on a GPU).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import ctypes
 
 import torch
 
-from slimrl.compat.sglang_cpu import host_memory
+from slimrl.compat.sglang_cpu import host_memory, memory_saver
 
 host_memory.install()
+memory_saver.install()
 
 
 def assign_req_to_token_pool_cpu(

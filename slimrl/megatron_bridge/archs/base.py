@@ -52,6 +52,16 @@ class ArchSpec:
     hf_renames: tuple[tuple[str, str], ...] = ()
     """(standard HF template, this architecture's template) pairs, for checkpoints whose tensor
     names differ from the Llama/Qwen convention, e.g. Mixtral's `block_sparse_moe.experts.{expert}.w1`."""
+    load_together: tuple[tuple[str, ...], ...] = ()
+    """Sibling HF tensors SGLang's loader fuses only when one `load_weights` call brings all of
+    them, as sets of the name component that differs (`bucketing.Together`); the weight sync never
+    splits such a set across buckets."""
+
+    def load_together_for(self, arch: ModelArch) -> tuple[tuple[str, ...], ...]:
+        """The `load_together` sets this variant has: a set with a member no rule produces (MLA
+        without `q_lora_rank` has no `q_a_proj`) would wait for it in vain."""
+        parts = {part for rule in self.rules(arch).rules for hf in rule.hf for part in hf.split(".")}
+        return tuple(members for members in self.load_together if set(members) <= parts)
 
     def rules(self, arch: ModelArch) -> RuleSet:
         renames = dict(self.hf_renames)

@@ -13,4 +13,7 @@ SPEC = ArchSpec(
         router_score_function="sigmoid",
         router_expert_bias=True,
     ),
+    # SGLang fuses these two into `fused_qkv_a_proj_with_mqa` when `q_lora_rank` is set, and only
+    # when one `load_weights` call holds both (`deepseek_weight_loader.py`, `cached_a_proj`).
+    load_together=(("q_a_proj", "kv_a_proj_with_mqa"),),
 )

@@ -5,13 +5,13 @@ SPEC_JSON: {"cases": {case: hf_dir}, "layouts": {case: {layout: [key=value, ...]
 
 Both ranks load each case's HF checkpoint into Megatron under each layout and stream it out through
 `export_hf_buckets` at each bucket size (a 1-rank layout runs as two data-parallel replicas, whose
-replica 0 owns every tensor). The ranks exchange their buckets and leave the training process
-group; each then referees its share of the cases as a single CPU rank of SGLang (gloo WORLD of 1,
-TP1), building the case's SGLang model class twice from the same start values: the reference loads
-the checkpoint's safetensors in one `load_weights` call, as SGLang's loader does; the other gets
-one `load_weights` call per bucket, rank 0's buckets then rank 1's, each rank's in its export
-order. Each rank writes OUT_DIR/rank<k>.json naming, per case, layout and bucket size, every
-parameter, buffer or derived tensor (DeepSeek's `w_kc`/`w_vc`) that differs.
+replica 0 owns every tensor). Rank 0 gathers every rank's buckets, both ranks leave the training
+process group, and rank 0 referees as a single CPU rank of SGLang (gloo WORLD of 1, TP1): it builds
+each case's SGLang model class twice from the same start values; the reference loads the
+checkpoint's safetensors in one `load_weights` call, as SGLang's loader does; the other gets one
+`load_weights` call per bucket, rank 0's buckets then rank 1's, each rank's in its export order.
+OUT_DIR/rank0.json names, per case, layout and bucket size, every parameter, buffer or derived
+tensor (DeepSeek's `w_kc`/`w_vc`) that differs; the other ranks write an empty report.
 """
 
 from __future__ import annotations
@@ -231,15 +231,17 @@ def main() -> None:
     out_dir, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     mine = export_all(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
     from slimrl.trainer.distributed import destroy_distributed
 
-    destroy_distributed()  # each rank now is a single-rank SGLang (its own gloo WORLD of 1)
-    mine_to_check = list(spec["cases"])[rank::world]  # the ranks share the refereeing
-    exports = {case: {layout: [g[case][layout] for g in gathered] for layout in spec["layouts"][case]}
-               for case in mine_to_check}  # fmt: skip
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(referee(spec, exports)))
+    destroy_distributed()  # rank 0 now becomes a single-rank SGLang (its own gloo WORLD of 1)
+    report: dict[str, Any] = {}
+    if gathered is not None:  # one referee: a second would cost its own ~10 s SGLang import
+        exports = {case: {layout: [g[case][layout] for g in gathered] for layout in layouts}
+                   for case, layouts in spec["layouts"].items()}  # fmt: skip
+        report = referee(spec, exports)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -304,8 +304,9 @@ def run_rl(
         config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir)
     )  # engines load before the trainer builds
     try:
-        release = colocated and engines_release_memory(config, device)
-        handoff = MemoryHandoff(fleet, trainers, config.rollout.num_engines, release, offload)
+        # Colocated engines always hand their memory over, on CPU as on GPUs: SGLang's memory
+        # saver has a CPU stand-in (compat/sglang_cpu/memory_saver.py) that loses what it held.
+        handoff = MemoryHandoff(fleet, trainers, config.rollout.num_engines, colocated, offload)
         handoff.to_trainer()
         summaries = trainers.setup(total_steps=total_steps)
         logger.info(
@@ -318,9 +319,3 @@ def run_rl(
         RLRun(config, run_dir, trainers, fleet, handoff).run()
     finally:
         fleet.shutdown()
-
-
-def engines_release_memory(config: SlimConfig, device: str) -> bool:
-    """Whether the engines can hand their memory over: SGLang's release needs CUDA (on a CPU
-    server it crashes the scheduler); the embedded engine always can (it drops its KV cache)."""
-    return config.rollout.engine == "embedded" or device == "cuda"

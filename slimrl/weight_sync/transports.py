@@ -21,7 +21,7 @@ import contextlib
 import shutil
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -60,21 +60,6 @@ class SyncTarget:
     ledger: Ledger | None = None
     """The run's device ledger; None for engines outside a run (tests, tools): rank 0 then serves
     every engine rank, which must be on its host."""
-    senders: list[list[int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.senders[:] = [
-            [self._sender(index, t) for t in range(engine.tp_size)]
-            for index, engine in enumerate(self.engines)
-        ]
-
-    def _sender(self, index: int, tp_rank: int) -> int:
-        """The trainer rank whose memory engine `index`'s rank `tp_rank` maps (`tensor`)."""
-        if self.ledger is None:
-            return 0
-        receiver = f"engine/{index}/tp{tp_rank}"
-        sender = next(r.sender for r in self.ledger.references if r.receiver == receiver)
-        return int(sender.removeprefix("trainer/"))
 
 
 class WeightTransport(ABC):
@@ -140,14 +125,26 @@ class TensorTransport(WeightTransport):
 
     def __init__(self, target: SyncTarget) -> None:
         super().__init__(target)
+        self.senders = [[self._sender(i, t) for t in range(e.tp_size)] for i, e in enumerate(target.engines)]
+        """For each engine, the trainer rank whose memory each of its TP ranks maps."""
         kind = "cuda_ipc" if target.device.type == "cuda" else "shared_memory"
         if target.ledger is not None:
-            for index, senders in enumerate(target.senders):
+            for index, senders in enumerate(self.senders):
                 for t, sender in enumerate(senders):
-                    check_reference(
-                        target.ledger, Reference(f"trainer/{sender}", f"engine/{index}/tp{t}", kind)
-                    )
-        self.groups = _engine_groups(target.senders) if target.world_size > 1 else {}
+                    reference = Reference(f"trainer/{sender}", f"engine/{index}/tp{t}", kind)
+                    check_reference(target.ledger, reference)
+        self.groups = _engine_groups(self.senders) if target.world_size > 1 else {}
+
+    def _sender(self, index: int, tp_rank: int) -> int:
+        """The ledger's sender for engine `index`'s rank `tp_rank`; rank 0 without a ledger."""
+        ledger = self.target.ledger
+        if ledger is None:
+            return 0
+        receiver = f"engine/{index}/tp{tp_rank}"
+        senders = [r.sender for r in ledger.references if r.receiver == receiver]
+        if not senders:
+            raise SlimError(f"rollout.weight_sync=tensor: the device ledger has no references for {receiver}")
+        return int(senders[0].removeprefix("trainer/"))
 
     def exchange(self, pool: ThreadPoolExecutor, unit: NamedTensors) -> None:
         target = self.target
@@ -166,22 +163,20 @@ class TensorTransport(WeightTransport):
             if target.world_size > 1:
                 collectives.broadcast(buffer, src=owner)
             metadata = wire.bucket_metadata(_metas(bucket))
-            mine = [
-                (i, t) for i, ss in enumerate(target.senders) for t, s in enumerate(ss) if s == target.rank
-            ]
+            mine = [(i, t) for i, ss in enumerate(self.senders) for t, s in enumerate(ss) if s == target.rank]
             # one pickle per engine rank that maps the buffer: each gives its reference back
             payloads = {
                 (i, t): wire.serialize({"flattened_tensor": buffer, "metadata": metadata}) for i, t in mine
             }
             posts = []
-            for index, senders in enumerate(target.senders):
+            for index, senders in enumerate(self.senders):
                 entries = self._gather(index, senders, payloads)
                 if entries is not None:
                     posts.append(pool.submit(self._post, index, entries))
             for post in posts:
                 post.result()  # every engine has loaded the bucket: only now may the buffer change
             for index, group in self.groups.items():
-                if target.rank in target.senders[index]:
+                if target.rank in self.senders[index]:
                     with collectives.waiting_in("barrier", f"engine {index}'s senders"):
                         dist.barrier(group=group)
 
@@ -273,6 +268,13 @@ class DistributedTransport(WeightTransport):
 
     name = "distributed"
 
+    def __init__(self, target: SyncTarget) -> None:
+        super().__init__(target)
+        if target.ledger is not None:  # on every rank, before anything opens
+            backend = "nccl" if target.device.type == "cuda" else "gloo"
+            ranks = [f"engine/{i}/tp{t}" for i, e in enumerate(target.engines) for t in range(e.tp_size)]
+            check_group(target.ledger, Group("weight_sync", backend, ("trainer/0", *ranks)))
+
     def _group(self, pool: ThreadPoolExecutor) -> Any:
         target = self.target
         key = tuple(e.url for e in target.engines)
@@ -285,12 +287,6 @@ class DistributedTransport(WeightTransport):
             offsets.append(world)
             world += engine.tp_size
         backend = "nccl" if target.device.type == "cuda" else "gloo"
-        if target.ledger is not None:
-            members = (
-                "trainer/0",
-                *(f"engine/{i}/tp{t}" for i, e in enumerate(target.engines) for t in range(e.tp_size)),
-            )
-            check_group(target.ledger, Group("weight_sync", backend, members))
 
         def join(item: tuple[Engine, int]) -> Any:
             engine, offset = item

@@ -162,3 +162,22 @@ def test_joining_a_dead_address_gives_up_at_its_timeout() -> None:
     with pytest.raises(TimeoutError, match=r"no weight-update group store at 127\.0\.0\.1:\d+"):
         wire.init_broadcast_group("127.0.0.1", free_port(), 1, 2, "slimrl-dead", "gloo", 2.0)
     assert 2.0 <= time.monotonic() - start < 3.0
+
+
+def test_cuda_payloads_name_the_gpu_by_uuid_where_sglang_reads_it() -> None:
+    """Under Ray every trainer rank sees its GPU as cuda:0, an engine rank the whole node: the
+    ordinal would map every bucket onto the node's first GPU. The device travels as its UUID, in the
+    argument of torch's `rebuild_cuda_tensor` that SGLang's patched rebuild turns back into its own
+    ordinal."""
+    import inspect
+
+    from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX
+
+    parameters = list(inspect.signature(torch.multiprocessing.reductions.rebuild_cuda_tensor).parameters)
+    assert parameters[wire.CUDA_DEVICE_ARG] == "storage_device"
+    assert wire.CUDA_DEVICE_ARG == _REDUCE_TENSOR_ARG_DEVICE_INDEX
+    args = tuple(range(12))  # the shape of torch's reduction: (rebuild, args)
+    rebuild, out = wire.cuda_reduction_by_uuid(("rebuild", args), lambda ordinal: f"GPU-uuid-of-{ordinal}")
+    assert rebuild == "rebuild" and out[wire.CUDA_DEVICE_ARG] == "GPU-uuid-of-6"
+    assert out[: wire.CUDA_DEVICE_ARG] == args[: wire.CUDA_DEVICE_ARG]
+    assert out[wire.CUDA_DEVICE_ARG + 1 :] == args[wire.CUDA_DEVICE_ARG + 1 :]

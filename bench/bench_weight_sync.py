@@ -104,7 +104,7 @@ def push_seconds(actor: Any, kind: str, scratch: Path, bucket: int, repeats: int
     from slimrl.trainer.weight_sync import push_weights
 
     params = [p for chunk in actor.state.model for p in chunk.parameters()]
-    actor.config = engine_config(kind, actor.hf_dir)
+    actor.config = engine_config(kind, actor.hf_dir, f"rollout.update_weight_buffer_bytes={bucket}")
     server = start_server(kind, actor.hf_dir, scratch)
     seconds = {"plain_copy": copy_seconds(params), "warm_copy": warm_copy_seconds(params)}
     try:
@@ -115,7 +115,7 @@ def push_seconds(actor: Any, kind: str, scratch: Path, bucket: int, repeats: int
                 seconds["plain_copy"] = min(seconds["plain_copy"], copy_seconds(params))
                 seconds["warm_copy"] = min(seconds["warm_copy"], warm_copy_seconds(params))
                 directory = str(sync_dir) if transport == "disk" else None
-                stats = push_weights(actor, [server.url], transport, transport, bucket, directory)
+                stats = push_weights(actor, [server.url], transport, transport, directory)
                 shutil.rmtree(sync_dir.parent, ignore_errors=True)
                 return stats["seconds"]
 
@@ -139,7 +139,8 @@ def load_actor(scratch: Path, size_gb: float, dtype: torch.dtype) -> Any:
     layout = _init(arch, LayoutArgs())
     chunks = _build(arch, layout, dtype)
     load_hf_into_megatron(chunks, arch, layout, str(hf))
-    return SimpleNamespace(state=SimpleNamespace(model=chunks), arch=arch, layout=layout, hf_dir=hf)
+    state = SimpleNamespace(model=chunks)
+    return SimpleNamespace(state=state, arch=arch, layout=layout, hf_dir=hf, ledger=None)
 
 
 def export_seconds(actor: Any, bucket: int) -> tuple[float, int]:

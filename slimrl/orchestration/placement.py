@@ -102,8 +102,9 @@ def _bundle_location() -> tuple[str, str, int, str | None]:
     if gpu_ids:
         import torch
 
-        uuid = str(torch.cuda.get_device_properties(0).uuid)
-        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        if torch.cuda.is_available():  # Ray's fake GPU resources (tests) have no device behind them
+            uuid = str(torch.cuda.get_device_properties(0).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
     return ray.util.get_node_ip_address(), node_id, int(gpu_ids[0]) if gpu_ids else 0, uuid
 
 

@@ -178,7 +178,7 @@ def server_command(
     """The command (and extra environment) that starts engine `index` of the fleet.
 
     `base_gpu_id` is the CUDA ordinal of the engine's first GPU as its process sees it (the Ray
-    fleet passes the one its placement-group slots give, see `orchestration/launch_plan.py`);
+    fleet passes the one its placement-group slots give, see `devices/launch_plan.py`);
     None takes it from the config's own layout, for fleets started outside Ray.
     """
     if config.rollout.engine == "embedded":

@@ -93,6 +93,7 @@ def _serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         true_on_policy=args.true_on_policy,
         weights_cpu_backup=args.enable_weights_cpu_backup,
+        trust_remote_code=args.trust_remote_code,
     )
 
     def ready(url: str) -> None:
@@ -200,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep a host copy of the weights across a memory release (SGLang's flag); without it "
         "released weights come back as NaN and must be loaded again",
+    )
+    serve.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run code shipped with the checkpoint (SGLang's flag; model.trust_remote_code)",
     )
     serve.set_defaults(handler=_serve)
 

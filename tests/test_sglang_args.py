@@ -167,9 +167,9 @@ def test_managed_flags_are_listed() -> None:
     assert MANAGED_FLAGS == (
         "model-path", "host", "port", "nccl-port", "base-gpu-id", "tp-size", "ep-size",
         "enable-dp-attention", "dp-size", "mem-fraction-static", "attention-backend", "quantization",
-        "random-seed", "enable-memory-saver", "enable-weights-cpu-backup", "enable-deterministic-inference",
-        "enable-return-routed-experts", "api-key", "admin-api-key", "device", "dtype", "max-total-tokens",
-        "sleep-on-idle",
+        "trust-remote-code", "random-seed", "enable-memory-saver", "enable-weights-cpu-backup",
+        "enable-deterministic-inference", "enable-return-routed-experts", "api-key", "admin-api-key",
+        "device", "dtype", "max-total-tokens", "sleep-on-idle",
     )  # fmt: skip
 
 

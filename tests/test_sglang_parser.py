@@ -74,6 +74,7 @@ def _expected(config: SlimConfig, index: int, base: int, on_cpu: bool) -> dict[s
         "enable_weights_cpu_backup": sglang.weights_cpu_backup,
         "enable_deterministic_inference": config.algorithm.true_on_policy and not on_cpu,
         "enable_return_routed_experts": config.algorithm.routing_replay,
+        "trust_remote_code": config.model.trust_remote_code,
     }  # fmt: skip
     if sglang.dp_attention:
         expected["dp_size"] = rollout.gpus_per_engine

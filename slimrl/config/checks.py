@@ -234,6 +234,7 @@ def check_config(config: SlimConfig) -> None:
             raise ConfigError(f"{key}={value}: not one of {shown}")
     _check_ranges(config)
     _check_paths(config)
+    _check_remote_code(config)
     if config.rollout.engine == "sglang":
         from slimrl.compat.sglang_cpu import check_sglang_version
         from slimrl.rollout.sglang.server_args import validate_sglang_config
@@ -296,6 +297,40 @@ def _check_paths(config: SlimConfig) -> None:
     for name, path in config.eval.datasets.items():
         if not Path(path).exists():
             raise ConfigError(f"eval.datasets.{name}={path}: file not found")
+
+
+def remote_tokenizer_code(hf_dir: str | Path) -> tuple[str, str] | None:
+    """(file, class) when the checkpoint's tokenizer is code shipped with it: an `auto_map` entry
+    for AutoTokenizer in tokenizer_config.json or config.json (transformers' two places for it)."""
+    import json
+
+    for name in ("tokenizer_config.json", "config.json"):
+        path = Path(hf_dir) / name
+        try:
+            auto_map = json.loads(path.read_text()).get("auto_map") if path.is_file() else None
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a broken config.json is refused by the model checks, a tokenizer file by transformers
+        entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+        if entry:
+            classes = [c for c in (entry if isinstance(entry, list) else [entry]) if c]
+            return name, ", ".join(map(str, classes))
+    return None
+
+
+def _check_remote_code(config: SlimConfig) -> None:
+    """A tokenizer that is code in the checkpoint (Moonlight's tiktoken one) loads only with
+    `trust_remote_code`; without it transformers raises deep inside the rollout manager, and SGLang's
+    tokenizer manager only after the engines loaded their weights."""
+    if config.model.trust_remote_code:
+        return
+    found = remote_tokenizer_code(config.model.hf_checkpoint)
+    if found is not None:
+        file, classes = found
+        raise ConfigError(
+            f"model.trust_remote_code=false: {Path(config.model.hf_checkpoint) / file} maps AutoTokenizer to "
+            f"{classes}, code shipped with the checkpoint that transformers and SGLang run only with "
+            "model.trust_remote_code=true; set it if you trust the checkpoint"
+        )
 
 
 def _check_cluster(config: SlimConfig) -> None:

@@ -70,6 +70,11 @@ class ModelConfig:
     """HF config.json keys to override before the Megatron model is built."""
     dtype: str = "auto"
     """Parameter dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16` or `fp32`."""
+    trust_remote_code: bool = False
+    """Let transformers and SGLang run Python code shipped in the checkpoint directory (its
+    config.json or tokenizer_config.json `auto_map`, e.g. Moonlight's tiktoken tokenizer): passed to
+    every `from_pretrained` slimrl calls and to SGLang as `--trust-remote-code`. A checkpoint whose
+    tokenizer needs its own code is refused at load while this is false."""
 
 
 @_section

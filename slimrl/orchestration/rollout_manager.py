@@ -64,7 +64,9 @@ class RolloutManager:
 
         from slimrl.rollout.data_source import DataSource
 
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
+        )
         self.source = DataSource(config)
         self.evals = {
             name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()

@@ -105,7 +105,10 @@ def run_rollout_only(config: SlimConfig, num_rollouts: int = 1) -> Path:
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard)
     try:
         client = fleet.start()
-        ctx = RolloutContext(config, AutoTokenizer.from_pretrained(config.model.hf_checkpoint), client)
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
+        )
+        ctx = RolloutContext(config, tokenizer, client)
         asyncio.run(_rollouts(config, fleet, ctx, samples_path, writer, num_rollouts))
     finally:
         # A second SIGTERM must not interrupt the shutdown half-way and orphan servers.

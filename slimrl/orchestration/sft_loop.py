@@ -41,7 +41,9 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
     from transformers import AutoTokenizer
 
     assert config.data.prompt_data is not None  # check_run_inputs: before anything started
-    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
+    )
     records = load_prompts(config.data.prompt_data, config.data.input_key, config.data.label_key)
     data = config.data
     records = drop_long_prompts(

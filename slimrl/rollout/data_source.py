@@ -41,7 +41,9 @@ class DataSource:
         if data.max_prompt_tokens is not None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+            tokenizer = AutoTokenizer.from_pretrained(
+                config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
+            )
             self.records = drop_long_prompts(
                 self.records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, path
             )

@@ -169,6 +169,8 @@ def embedded_command(config: SlimConfig, model_path: str, host: str, port: int, 
         cmd += ["--true-on-policy"]
     if config.rollout.sglang.weights_cpu_backup:  # the same memory-release contract as SGLang's
         cmd += ["--enable-weights-cpu-backup"]
+    if config.model.trust_remote_code:
+        cmd += ["--trust-remote-code"]
     return cmd
 
 

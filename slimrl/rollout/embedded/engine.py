@@ -227,6 +227,7 @@ class Engine:
         weight_version: str = "default",
         on_sample: SampleObserver | None = None,
         weights_cpu_backup: bool = False,
+        trust_remote_code: bool = False,
         start: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -237,9 +238,10 @@ class Engine:
         self.tokenizer_path = self.model_path
         """Stays the launch path when weights come from elsewhere (SGLang keeps it too)."""
         with quiet_progress_bars():
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            remote = trust_remote_code  # `model.trust_remote_code`, as `slimrl serve --trust-remote-code`
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=remote)
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=torch.float32, attn_implementation="sdpa"
+                self.model_path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=remote
             )
         self.model = model.eval().requires_grad_(False)
         self.config = self.model.config

@@ -110,6 +110,8 @@ class ServerArgs:
     """Report trainer-identical logprobs (`megatron_scorer.MegatronScorer`)."""
     weights_cpu_backup: bool = False
     """SGLang's `--enable-weights-cpu-backup`: released weights come back on resume (else NaN)."""
+    trust_remote_code: bool = False
+    """SGLang's `--trust-remote-code`: transformers may run the checkpoint's own tokenizer/model code."""
 
 
 def request_allowed(path: str, authorization: str | None, args: ServerArgs) -> bool:
@@ -260,6 +262,7 @@ class EmbeddedServer:
             weight_version=self.args.weight_version,
             rescorer=rescorer,
             weights_cpu_backup=self.args.weights_cpu_backup,
+            trust_remote_code=self.args.trust_remote_code,
         )
 
     def _build_app(self) -> web.Application:

@@ -86,6 +86,9 @@ _FLAGS: tuple[tuple[str, Callable[[_Launch], FlagValue]], ...] = (
     ("mem-fraction-static", _gpu_only(lambda launch: launch.config.rollout.sglang.mem_fraction_static)),
     ("attention-backend", _attention_backend),
     ("quantization", lambda launch: launch.config.rollout.sglang.quantization),
+    # A checkpoint with its own tokenizer or model code (config.json / tokenizer_config.json
+    # `auto_map`): SGLang's tokenizer manager and model config load it through transformers.
+    ("trust-remote-code", lambda launch: launch.config.model.trust_remote_code),
     # Engines sample differently from each other but reproducibly across runs.
     ("random-seed", lambda launch: launch.config.run.seed + launch.engine_index),
     # Colocated engines must hand their GPU memory back while the trainer runs

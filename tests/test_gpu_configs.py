@@ -102,3 +102,41 @@ def test_moonlight_ships_its_tokenizer_auto_map_and_trusts_it():
     for other in GPU_CONFIGS:
         if other != path:
             assert load_config(other).model.trust_remote_code is False
+
+
+# ---------------------------------------------------------------- true on-policy trainer environment
+
+DETERMINISTIC = {
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",  # Transformer Engine: deterministic kernels only
+    "NCCL_ALGO": "allreduce:tree",  # what SGLang picks for deterministic inference with TP > 1
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # reproducible cuBLAS GEMMs (CUDA >= 10.2)
+}
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_true_on_policy_trainer_ranks_get_the_determinism_environment(path):
+    shipped = str(path.relative_to(REPO))
+    for on_policy, want in (("true", DETERMINISTIC), ("false", {})):
+        proc = run_slimrl("train", shipped, f"algorithm.true_on_policy={on_policy}", "--dry-run", "--json")
+        assert proc.returncode == 0, proc.stderr
+        env = json.loads(proc.stdout)["trainer_env"]
+        assert {k: env[k] for k in DETERMINISTIC if k in env} == want
+        assert env["TOKENIZERS_PARALLELISM"] == "false"  # the job-wide environment is shown too
+    text = run_slimrl("train", shipped, "algorithm.true_on_policy=true", "--dry-run").stdout
+    training = text.split("weight sync:")[0]
+    assert "  env NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in training.splitlines()
+
+
+def test_trainer_actors_carry_the_environment_and_cpu_ranks_do_not():
+    from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
+
+    config = load_config(GPU_CONFIGS[0], ["algorithm.true_on_policy=true"])
+    assert trainer_env(config, "cuda") == DETERMINISTIC
+    assert trainer_env(config, "cpu") == {}  # gloo and fp32 on CPU: exact already, no TE
+    config.algorithm.true_on_policy = False
+    assert trainer_env(config, "cuda") == {}
+    slots = DeviceSlots(placement_group=None, ordered_bundles=[3, 2, 1, 0], use_gpu=True)
+    options = trainer_actor_options(slots, 1, 0.5, DETERMINISTIC)
+    assert options["runtime_env"] == {"env_vars": DETERMINISTIC}  # Ray merges it into the job's
+    assert options["num_gpus"] == 0.5 and options["scheduling_strategy"].placement_group_bundle_index == 2
+    assert "runtime_env" not in trainer_actor_options(slots, 1, 0.5, {})

@@ -54,6 +54,13 @@ def engine_launches(config: SlimConfig, device: str) -> list[EngineLaunch]:
     return launches
 
 
+def trainer_launch_env(config: SlimConfig, device: str) -> dict[str, str]:
+    """The extra environment every trainer rank starts with (job-wide `worker_env` + `trainer_env`)."""
+    from slimrl.orchestration.placement import trainer_env, worker_env
+
+    return {**worker_env(device), **trainer_env(config, device)}
+
+
 def _span(values: list[int]) -> str:
     return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
 
@@ -66,6 +73,7 @@ def _trainer_lines(config: SlimConfig, seats: list[TrainerSeat], device: str) ->
         on_node = [s for s in seats if s.node == node]
         ranks, devices = [s.rank for s in on_node], [s.device for s in on_node]
         lines.append(f"  {node}: ranks {_span(ranks)} on {unit} {_span(devices)}")
+    lines += [f"  env {key}={value}" for key, value in sorted(trainer_launch_env(config, device).items())]
     return lines
 
 
@@ -132,9 +140,11 @@ def config_ledger(config: SlimConfig) -> Ledger:
 
 
 def render_json(config: SlimConfig) -> dict[str, Any]:
-    """`--dry-run --json`: the device ledger, plus each engine's launch (command, environment)."""
+    """`--dry-run --json`: the device ledger, the trainer ranks' environment, and each engine's
+    launch (command, environment)."""
     device = resolve_device(config)
     report = config_ledger(config).to_json()
+    report["trainer_env"] = trainer_launch_env(config, device)
     if config.algorithm.loss == "policy":
         report["engines"] = [
             {"index": launch.seat.index, "node": launch.seat.node, "gpus": list(launch.seat.devices),

@@ -36,6 +36,22 @@ def worker_env(device: str) -> dict[str, str]:
     return env
 
 
+TRAINER_DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+"""Transformer Engine picks only deterministic kernels (fused attention backward without atomics)
+with this; Megatron-Core's TE attention refuses to build under `deterministic_mode` without it."""
+
+
+def trainer_env(config: SlimConfig, device: str) -> dict[str, str]:
+    """Extra environment of every trainer rank, on top of `worker_env` (Ray merges a per-actor
+    `runtime_env` into the job's). True on-policy on GPUs: the engines' deterministic collectives
+    and cuBLAS workspaces (`sglang_env`) plus `TRAINER_DETERMINISM_ENV`; nothing otherwise."""
+    if device != "cuda" or not config.algorithm.true_on_policy:
+        return {}
+    from slimrl.rollout.sglang.server_args import sglang_env
+
+    return {**sglang_env(config), **TRAINER_DETERMINISM_ENV}
+
+
 def start_ray(config: SlimConfig, device: str, slots_needed: int) -> None:
     import ray
 
@@ -88,6 +104,15 @@ def engine_actor_options(slots: DeviceSlots, seat: EngineSeat, share: float) -> 
     options: dict[str, Any] = {"scheduling_strategy": slots.strategy(seat.slots[0]), **slots.resources(share)}
     if seat.actor_env:
         options["runtime_env"] = {"env_vars": dict(seat.actor_env)}
+    return options
+
+
+def trainer_actor_options(slots: DeviceSlots, rank: int, share: float, env: dict[str, str]) -> dict[str, Any]:
+    """Ray options of trainer rank `rank`: `share` of its slot, and `env` (`trainer_env`) as its
+    per-actor environment, merged by Ray into the job's."""
+    options: dict[str, Any] = {"scheduling_strategy": slots.strategy(rank), **slots.resources(share)}
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
     return options
 
 

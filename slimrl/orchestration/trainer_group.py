@@ -8,7 +8,7 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
-from slimrl.orchestration.placement import DeviceSlots
+from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
 from slimrl.trainer.batch import TrainBatch
 
 
@@ -34,12 +34,13 @@ class TrainerGroup:
         import ray
 
         remote_actor = ray.remote(_ActorHost)
-        first = remote_actor.options(scheduling_strategy=slots.strategy(0), **slots.resources(share))
+        env = trainer_env(config, "cuda" if slots.use_gpu else "cpu")
+        first = remote_actor.options(**trainer_actor_options(slots, 0, share, env))
         self.world_size = world_size
         self.actors = [first.remote()]
         address = self.actors[0].pick_address.remote()  # Ray hands the result to every create()
         for rank in range(1, world_size):
-            options = remote_actor.options(scheduling_strategy=slots.strategy(rank), **slots.resources(share))
+            options = remote_actor.options(**trainer_actor_options(slots, rank, share, env))
             self.actors.append(options.remote())
         # Not waited for here: the rank processes start and import while the caller goes on (the
         # RL loop starts the rollout fleet meanwhile); setup() collects them, and their errors.

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from slimrl.config import load_config
 from slimrl.errors import ConfigError
@@ -140,3 +141,191 @@ def test_trainer_actors_carry_the_environment_and_cpu_ranks_do_not():
     assert options["runtime_env"] == {"env_vars": DETERMINISTIC}  # Ray merges it into the job's
     assert options["num_gpus"] == 0.5 and options["scheduling_strategy"].placement_group_bundle_index == 2
     assert "runtime_env" not in trainer_actor_options(slots, 1, 0.5, {})
+
+
+# ---------------------------------------------------------------- engine memory plan
+# Expected bytes per GPU from the definition, written out here from each config.json: SGLang's
+# sharding (attention over tp / dp, experts E / ep each over tp / ep, dense and shared MLPs and
+# lm_head over tp, the embedding over attention tp, vocab padded to 64 * tp), the FP8 checkpoint
+# format (1 B per element + one fp32 scale per 128x128 block for the decoder's linear weights, bf16
+# elsewhere), MLA's bf16 w_kc/w_vc copy of kv_b_proj, and SGLang 0.5.23's reserve
+# (arg_groups/memory_hook.py: 512 + 1.5 x max(chunked prefill, 2048) + tp/8 x 1024 + 2 x decode
+# max_bs [+ max_bs x dp x 3, + max_bs x dp x 1.5 above 300] MiB, at least 10 GiB above 60 GiB GPUs).
+GiB, MiB = 1024**3, 1024**2
+
+
+def lin(rows: int, cols: int, fp8: bool) -> int:
+    return rows * cols + 4 * -(-rows // 128) * -(-cols // 128) if fp8 else 2 * rows * cols
+
+
+def swiglu(ffn: int, hidden: int, fp8: bool) -> int:
+    return 2 * lin(ffn, hidden, fp8) + lin(hidden, ffn, fp8)
+
+
+def deepseek_v3_fp8_tp8_ep8_dp8() -> int:
+    h, layers, moe = 7168, 61, 58
+    attention = (
+        lin(1536, h, True) + lin(128 * 192, 1536, True) + lin(576, h, True)  # q_a, q_b, kv_a (whole)
+        + lin(128 * 256, 512, True) + lin(h, 128 * 128, True) + 2 * (1536 + 512)  # kv_b, o, 2 norms
+    )  # fmt: skip
+    experts = 32 * swiglu(2048, h, True)  # 256 / ep 8, expert tp 1
+    shared, dense = swiglu(2048 // 8, h, True), swiglu(18432 // 8, h, True)
+    router = 256 * h * 2 + 256 * 4  # bf16 gate, fp32 e_score_correction_bias
+    norms = (2 * layers + 1) * h * 2
+    vocab = 129280 * h * 2 + 129280 // 8 * h * 2  # embedding whole (attention tp 1), lm_head / 8
+    mla_copies = layers * 128 * 256 * 512 * 2
+    return layers * attention + moe * (experts + shared + router) + 3 * dense + norms + vocab + mla_copies
+
+
+def qwen3_235b_fp8_tp8_ep8() -> int:
+    h, layers = 4096, 94
+    attention = lin(1024, h, True) + 2 * lin(128, h, True) + lin(h, 1024, True) + 2 * 128 * 2
+    experts = 16 * swiglu(1536, h, True)  # 128 / ep 8
+    router, norms = 128 * h * 2, (2 * layers + 1) * h * 2
+    return layers * (attention + experts + router) + norms + 2 * (151936 // 8) * h * 2
+
+
+def qwen3_30b_bf16_tp2() -> int:
+    h, layers = 2048, 48
+    attention = lin(16 * 128 + 2 * 2 * 128, h, False) + lin(h, 16 * 128, False) + 2 * 128 * 2
+    experts = 128 * swiglu(768 // 2, h, False)  # ep 1: every expert, split over tp 2
+    router, norms = 128 * h * 2, (2 * layers + 1) * h * 2
+    return layers * (attention + experts + router) + norms + 2 * (151936 // 2) * h * 2
+
+
+def moonlight_bf16_tp2() -> int:
+    h, layers = 2048, 27
+    attention = (
+        lin(8 * 192, h, False) + lin(576, h, False) + lin(8 * 256, 512, False) + lin(h, 8 * 128, False)
+        + 512 * 2  # kv_a_layernorm
+    )  # fmt: skip
+    moe = 64 * swiglu(1408 // 2, h, False) + swiglu(2 * 1408 // 2, h, False) + 64 * h * 2 + 64 * 4
+    norms = (2 * layers + 1) * h * 2
+    return (
+        layers * attention + 26 * moe + swiglu(11264 // 2, h, False) + norms
+        + 2 * (163840 // 2) * h * 2 + layers * 8 * 256 * 512 * 2  # vocab; w_kc/w_vc
+    )  # fmt: skip
+
+
+SEQUENCE = 2048 + 8192  # data.max_prompt_tokens + rollout.sampling.max_new_tokens (gpu_moe.yaml)
+ENGINES = {  # config -> (weights, KV bytes per token per GPU, SGLang's reserve in MiB, GPU GiB)
+    "deepseek_v3_256gpu": (deepseek_v3_fp8_tp8_ep8_dp8(), (512 + 64) * 61 * 2,
+                           512 + 8192 * 1.5 + 1024 + 512 * 2 + 512 * 8 * 3 + 512 * 8 * 1.5, 141),
+    "grpo_moe_256gpu": (qwen3_235b_fp8_tp8_ep8(), 2 * 94 * 1 * 128 * 2,  # 4 kv heads < tp 8: one each
+                        512 + 8192 * 1.5 + 1024 + 512 * 2, 80),
+    "qwen3_30b_a3b_8gpu": (qwen3_30b_bf16_tp2(), 2 * 48 * 2 * 128 * 2,  # 2 kv heads per GPU
+                           512 + 8192 * 1.5 + 256 + 256 * 2, 80),
+    "moonlight_16b_a3b_8gpu": (moonlight_bf16_tp2(), (512 + 64) * 27 * 2,
+                               512 + 8192 * 1.5 + 256 + 256 * 2, 80),
+}  # fmt: skip
+
+
+def _printed(stdout: str, term: str) -> float:
+    line = next(line for line in stdout.splitlines() if line.startswith(term))
+    return float(line[len(term) :].split()[0])
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_gpu_config_engine_fits_by_the_plan(path, monkeypatch):
+    from slimrl.trainer.engine_plan import plan_engine
+
+    monkeypatch.chdir(REPO)
+    weights, kv_per_token, reserve_mib, gpu_gib = ENGINES[path.stem]
+    config = load_config(path)  # the engine check ran at load
+    assert config.cluster.gpu_memory_gb == gpu_gib
+    engine = plan_engine(config)
+    assert engine.weight_bytes == weights
+    assert (engine.kv_per_token, engine.sequence_tokens) == (kv_per_token, SEQUENCE)
+    assert engine.reserve == int(reserve_mib * MiB)
+    static = int(config.rollout.sglang.mem_fraction_static * gpu_gib * GiB)
+    assert static - weights >= SEQUENCE * kv_per_token and gpu_gib * GiB - static >= reserve_mib * MiB
+    assert engine.fits
+    proc = run_slimrl("plan", str(path.relative_to(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    for term, value in (
+        ("weights", weights),
+        ("KV, one sequence", SEQUENCE * kv_per_token),
+        ("CUDA graphs + activations", reserve_mib * MiB),
+        ("total needed", weights + SEQUENCE * kv_per_token + reserve_mib * MiB),
+    ):
+        assert _printed(proc.stdout, term) == round(value / GiB, 2), term
+    assert "total needed" in proc.stdout and proc.stdout.rstrip().endswith("fits")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["configs/deepseek_v3_256gpu.yaml", "cluster.gpu_memory_gb=80"],
+         ["rollout.gpus_per_engine=8: weights 91.26 GiB + KV of one 10240-token sequence 0.67 GiB + CUDA "
+          "graphs/activations 32.50 GiB (SGLang's estimate) = 124.43 GiB per GPU, above the 80.00 GiB",
+          "does not fit one node", "does not start engines spanning nodes", "cluster.gpu_memory_gb=141"]),
+        (["configs/deepseek_v3_256gpu.yaml", "rollout.sglang.mem_fraction_static=0.85"],
+         ["rollout.sglang.mem_fraction_static=0.85: leaves 21.15 GiB per GPU outside SGLang's static pool, "
+          "below the 32.50 GiB", "lower it into 0.652..0.769"]),
+        (["configs/qwen3_30b_a3b_8gpu.yaml", "rollout.gpus_per_engine=1"],
+         ["rollout.sglang.mem_fraction_static=0.7: SGLang's static pool of 56.00 GiB per GPU must hold "
+          "weights 56.87 GiB", "raise it into 0.723..0.835"]),
+        (["configs/qwen3_30b_a3b_8gpu.yaml", "rollout.gpus_per_engine=1", "cluster.gpu_memory_gb=64"],
+         ["rollout.gpus_per_engine=1: weights 56.87 GiB", "above the 64.00 GiB of one GPU",
+          "more GPUs per engine (rollout.gpus_per_engine), rollout.sglang.quantization=fp8"]),
+        (["configs/grpo_moe_256gpu.yaml", "rollout.sglang.ep_size=1"],
+         ["rollout.sglang.quantization=fp8: model.layers.0.mlp.experts.0.gate_proj.weight has 192 rows per "
+          "GPU (tp 8, ep 1), not a multiple of SGLang's 128-wide FP8 blocks"]),
+        (["configs/grpo_moe_256gpu.yaml", "rollout.sglang.ep_size=8", "rollout.gpus_per_engine=8",
+          "rollout.sglang.extra_args={kv_cache_dtype: fp4}"],
+         ["rollout.sglang.extra_args.kv_cache_dtype=fp4: the engine plan knows auto"]),
+    ],
+)  # fmt: skip
+def test_engines_that_cannot_fit_are_refused_at_load_in_one_line(overrides, fragments):
+    for command in (["train", *overrides, "--dry-run"], ["plan", *overrides]):
+        line = _one_line_exit_2(*command)
+        assert line.startswith("slimrl: error: " + fragments[0].split(":")[0])
+        for fragment in fragments:
+            assert fragment in line, line
+
+
+def test_the_engine_plan_does_not_apply_on_cpu(tiny_model, mod_sum_data):
+    base = [f"model.hf_checkpoint={tiny_model('qwen3_moe')}", f"data.prompt_data={mod_sum_data}"]
+    tiny = "configs/tiny_moe_grpo_cpu.yaml"
+    load_config(REPO / tiny, [*base, "rollout.engine=sglang", "cluster.gpu_memory_gb=0.001"])
+    proc = run_slimrl("plan", tiny, *base, "rollout.engine=sglang")
+    assert proc.returncode == 0 and "engine term" not in proc.stdout, proc.stderr
+
+
+TINY_ARCHS = [("qwen3_moe", {}), ("qwen3", {}), ("qwen2", {}), ("llama", {}), ("deepseek_v3", {}),
+              ("deepseek_v3", {"q_lora_rank": 16})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch_name", "overrides"), TINY_ARCHS, ids=lambda v: str(v))
+def test_engine_tensors_at_tp1_are_the_checkpoint_and_its_fp8_copy(
+    tiny_model, tmp_path, arch_name, overrides
+):
+    """At tp 1 an engine holds every checkpoint tensor (vocab rows padded to 64), and with FP8 the
+    bytes of `weight_sync/fp8.py`'s start checkpoint: the plan counts what the format writes."""
+    from slimrl.megatron_bridge.hf_io import HFCheckpointReader
+    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.trainer.engine_plan import EngineTensor, EngineWidths, hf_tensors, tensor_bytes
+    from slimrl.weight_sync.fp8 import write_fp8_checkpoint
+
+    source = tiny_model(arch_name, **overrides)
+    arch = read_model_arch(source)
+    one = EngineWidths(tp=1, attn_dp=1, attn_tp=1, moe_ep=1, moe_tp=1, embed_tp=1, head_tp=1)
+    planned = {t.name: t for t in hf_tensors(arch, one)}
+    reader = HFCheckpointReader(source)
+    padded = -(-arch.vocab_size // 64) * 64
+    for name in reader.names:
+        shape = reader.shape(name)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shape = (padded, *shape[1:])
+        assert planned[name].shape == shape, name
+    assert set(planned) == set(reader.names)
+    fp8 = HFCheckpointReader(write_fp8_checkpoint(source, tmp_path / "fp8"))
+    for name in reader.names:
+        shape = reader.shape(name)
+        tensor = EngineTensor(name, shape, "", fp32=planned[name].fp32)
+        written = fp8.nbytes(name) + (
+            fp8.nbytes(name + "_scale_inv") if name + "_scale_inv" in fp8.names else 0
+        )
+        if fp8.get(name).dtype != torch.float8_e4m3fn:  # kept: served in bf16 (fp32 where SGLang keeps it)
+            written = fp8.get(name).numel() * (4 if planned[name].fp32 else 2)
+        assert tensor_bytes(tensor, fp8=True) == written, name

@@ -142,9 +142,11 @@ def test_shipped_big_configs_load_and_fit_80gb(name, in_repo):
     print(f"\n$ slimrl plan configs/{name}.yaml\n{memory.render()}")
     assert memory.device == "cuda" and memory.dtype == "bf16"
     assert memory.total_params == pytest.approx(BIG_CONFIGS[name], rel=1e-3)
-    assert memory.budget == 80 * GIB
+    # DeepSeek-V3 runs on 141 GB GPUs for its engines' sake (docs/memory_plan.md); its trainer
+    # layout would fit 80 GB ones too
+    assert memory.budget == (141 if name == "deepseek_v3_256gpu" else 80) * GIB
     check_fits(memory)
-    assert memory.total < 0.9 * memory.budget  # headroom for what the estimate misses
+    assert memory.total < 0.9 * 80 * GIB  # headroom for what the estimate misses
 
 
 def test_deepseek_plan_details(in_repo):

@@ -246,6 +246,7 @@ def check_config(config: SlimConfig) -> None:
     _check_weight_sync(config)
     _check_fp8_rollout(config)
     _check_parallel(config)
+    _check_engine_memory(config)
     _check_algorithm(config)
     _check_critic(config)
     _check_training(config)
@@ -379,6 +380,25 @@ def _check_fp8_rollout(config: SlimConfig) -> None:
             f"rollout.sglang.quantization=fp8: needs rollout.engine=sglang on GPUs (got engine "
             f"{config.rollout.engine} on {resolve_device(config)}); set it to null on CPU"
         )
+
+
+def engines_planned(config: SlimConfig) -> bool:
+    """SGLang engines on GPUs serve this run (RL): what the engine memory plan is for."""
+    rollout = config.rollout
+    return (
+        rollout.engine == "sglang" and resolve_device(config) == "cuda" and config.algorithm.loss == "policy"
+    )
+
+
+def _check_engine_memory(config: SlimConfig) -> None:
+    """Every engine's weights, one full sequence's KV cache and SGLang's CUDA-graph reserve fit one
+    GPU (`trainer/engine_plan.py`): an engine that does not fit dies while loading, after the start
+    checkpoint was written, not here. CPU engines have no such budget."""
+    if not engines_planned(config):
+        return
+    from slimrl.trainer.engine_plan import check_engine_fits, plan_engine
+
+    check_engine_fits(plan_engine(config))
 
 
 def _check_weight_sync(config: SlimConfig) -> None:

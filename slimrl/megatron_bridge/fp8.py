@@ -14,10 +14,11 @@ exact float64 comparison, so ``q`` equals e4m3 round-to-nearest-even of the exac
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from slimrl.megatron_bridge.fp8_names import QUANTIZED_WEIGHT_PATTERNS, is_quantized_name
 
 __all__ = [
     "BLOCK",
@@ -37,27 +38,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_DTYPE = torch.float8_e4m3fn
 _F32_TINY = torch.finfo(torch.float32).tiny  # scales are kept >= this, i.e. normal float32 numbers
 
-# Weights streamed as FP8: 2-D linear weights inside decoder layers.  Everything else (embeddings, lm_head,
-# norms, router gates `mlp.gate.weight`, Qwen2-MoE's `shared_expert_gate`, biases, `e_score_correction_bias`,
-# DeepSeek's MTP `eh_proj`, which SGLang builds as an unquantised nn.Linear) stays in its training dtype.
-QUANTIZED_WEIGHT_PATTERNS: tuple[re.Pattern[str], ...] = (
-    # attention: standard q/k/v/o and DeepSeek MLA projections
-    re.compile(
-        r"^model\.layers\.\d+\.self_attn\."
-        r"(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$"
-    ),
-    # MLP: dense, routed experts, shared experts (DeepSeek `shared_experts`, Qwen2-MoE `shared_expert`)
-    re.compile(
-        r"^model\.layers\.\d+\.mlp\.(experts\.\d+\.|shared_experts?\.)?(gate_proj|up_proj|down_proj)\.weight$"
-    ),
-)
+# Which names are streamed as FP8 lives in `fp8_names` (torch-free, shared with the engine memory plan).
 
 
 def should_quantize(name: str, tensor: torch.Tensor) -> bool:
     """True if the HF-named ``tensor`` is a 2-D decoder-layer linear weight that FP8 servers expect as FP8."""
     if tensor.ndim != 2 or not tensor.is_floating_point() or tensor.element_size() == 1:
         return False
-    return any(p.match(name) for p in QUANTIZED_WEIGHT_PATTERNS)
+    return is_quantized_name(name)
 
 
 def scale_name(weight_name: str) -> str:

@@ -14,6 +14,8 @@ About 15 s to import SGLang once, then a second or so per resolution.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -48,12 +50,22 @@ def sglang_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolved(parser: argparse.ArgumentParser, config: Any, gpu_mib: float) -> Any:
+def _resolved(parser: argparse.ArgumentParser, config: Any, gpu_mib: float, runs: Path) -> Any:
     """SGLang's ServerArgs for engine 0's argv as a run launches it, minus `--mem-fraction-static`
-    (so SGLang picks it), resolved as on a CUDA GPU of `gpu_mib`."""
+    (so SGLang picks it), resolved as on a CUDA GPU of `gpu_mib`. An FP8 fleet's `--model-path` is
+    its start checkpoint, whose config.json (with its quantization_config) is written under `runs`."""
     import sglang.srt.arg_groups.memory_hook as memory_hook
     from sglang.srt.server_args import ServerArgs
 
+    from slimrl.orchestration.fp8_start import serving_path
+    from slimrl.weight_sync.fp8 import fp8_hf_config
+
+    config.run.runs_dir = str(runs)
+    if config.rollout.sglang.quantization == "fp8":
+        start = Path(serving_path(config))
+        start.mkdir(parents=True, exist_ok=True)
+        source = json.loads((Path(config.model.hf_checkpoint) / "config.json").read_text())
+        (start / "config.json").write_text(json.dumps(fp8_hf_config(source)))
     argv = engine_launches(config, "cuda")[0].command[3:]
     at = argv.index("--mem-fraction-static")
     del argv[at : at + 2]
@@ -66,14 +78,14 @@ def _resolved(parser: argparse.ArgumentParser, config: Any, gpu_mib: float) -> A
 @pytest.mark.parametrize("gpu_gib", GPUS_GIB)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
-def test_reserve_is_sglangs_own(path, variant, gpu_gib, sglang_parser, monkeypatch):
+def test_reserve_is_sglangs_own(path, variant, gpu_gib, sglang_parser, monkeypatch, tmp_path):
     from sglang.srt.arg_groups.overrides import resolved_view
 
     monkeypatch.chdir(REPO)
     config = load_config(path, VARIANTS[variant])
     config.cluster.gpu_memory_gb = gpu_gib  # planned as given: the load-time check is not the point here
     plan = plan_engine(config)
-    view = resolved_view(_resolved(sglang_parser, config, gpu_gib * 1024))
+    view = resolved_view(_resolved(sglang_parser, config, gpu_gib * 1024, tmp_path))
     gpu_mib = gpu_gib * 1024
     sglang_reserve_mib = gpu_mib * (1 - view.mem_fraction_static)
     assert abs(plan.reserve / 1024**2 - sglang_reserve_mib) <= 0.0005 * gpu_mib + 1, (plan.reserve_detail,)
@@ -84,7 +96,7 @@ def test_reserve_is_sglangs_own(path, variant, gpu_gib, sglang_parser, monkeypat
 
 @pytest.mark.parametrize("variant", ["as shipped", "true on-policy"])
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
-def test_widths_and_kv_per_token_are_sglangs_own(path, variant, sglang_parser, monkeypatch):
+def test_widths_and_kv_per_token_are_sglangs_own(path, variant, sglang_parser, monkeypatch, tmp_path):
     import torch
     from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
@@ -94,7 +106,7 @@ def test_widths_and_kv_per_token_are_sglangs_own(path, variant, sglang_parser, m
 
     monkeypatch.chdir(REPO)
     config = load_config(path, VARIANTS[variant])
-    args = _resolved(sglang_parser, config, config.cluster.gpu_memory_gb * 1024)
+    args = _resolved(sglang_parser, config, config.cluster.gpu_memory_gb * 1024, tmp_path)
     view = resolved_view(args)
     widths = parallel_widths_of(view)
     ours = EngineWidths.of(config)

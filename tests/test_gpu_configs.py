@@ -329,3 +329,166 @@ def test_engine_tensors_at_tp1_are_the_checkpoint_and_its_fp8_copy(
         if fp8.get(name).dtype != torch.float8_e4m3fn:  # kept: served in bf16 (fp32 where SGLang keeps it)
             written = fp8.get(name).numel() * (4 if planned[name].fp32 else 2)
         assert tensor_bytes(tensor, fp8=True) == written, name
+
+
+# ---------------------------------------------------------------- the FP8 start checkpoint
+
+
+def _single_process_fp8(src: Path, dst: Path) -> Path:
+    """The start checkpoint as the single-process writer made it before it went parallel: every
+    tensor in checkpoint order through one ShardWriter, then the index."""
+    from slimrl.megatron_bridge.hf_io import HFCheckpointReader, ShardWriter, finalize_index
+    from slimrl.weight_sync.fp8 import fp8_bucket
+
+    dst.mkdir()
+    reader, writer = HFCheckpointReader(src), ShardWriter(dst)
+    for name in reader.names:
+        for out_name, tensor in fp8_bucket([(name, reader.get(name))]):
+            writer.add(out_name, tensor)
+    writer.flush()
+    finalize_index(dst, writer.files, writer.bytes_written)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def sharded_model(tiny_model, tmp_path_factory) -> Path:
+    """A tiny checkpoint in 4 safetensors files of unequal sizes, with tokenizer and config."""
+    from slimrl.megatron_bridge.hf_io import INDEX_NAME, HFCheckpointReader, ShardWriter, finalize_index
+
+    source = tiny_model("qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=128)
+    out = tmp_path_factory.mktemp("sharded") / "model"
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", INDEX_NAME))
+    reader = HFCheckpointReader(source)
+    writer = ShardWriter(out, max_shard_bytes=reader.total_bytes() // 10)  # fp32 source, bf16 copy
+    for name in reader.names:
+        writer.add(name, reader.get(name).to(torch.bfloat16))  # as a real bf16 checkpoint
+    writer.flush()
+    finalize_index(out, writer.files, writer.bytes_written)
+    assert len(set(HFCheckpointReader(out).location.values())) >= 4
+    return out
+
+
+def test_parallel_fp8_start_checkpoint_has_the_single_process_bytes(sharded_model, tmp_path):
+    from slimrl.megatron_bridge.hf_io import HFCheckpointReader
+    from slimrl.orchestration.fp8_start import local_pool_map
+    from slimrl.weight_sync.fp8 import fp8_hf_config, split_source_files, write_fp8_checkpoint
+
+    groups = split_source_files(sharded_model, 2)
+    files = sorted(set(HFCheckpointReader(sharded_model).location.values()))
+    assert len(groups) == 2 and sorted(f for g in groups for f in g) == files
+    reference = HFCheckpointReader(_single_process_fp8(sharded_model, tmp_path / "single"))
+    parallel = write_fp8_checkpoint(sharded_model, tmp_path / "parallel", parts=2, map_parts=local_pool_map)
+    got = HFCheckpointReader(parallel)
+    assert len(set(got.location.values())) >= 2  # each worker wrote shards of its own
+    assert got.names != [] and sorted(got.names) == sorted(reference.names)
+    for name in reference.names:
+        want, have = reference.get(name), got.get(name)
+        assert (have.dtype, have.shape) == (want.dtype, want.shape), name
+        assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
+    index = json.loads((parallel / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(reference.nbytes(n) for n in reference.names)
+    for side in ("tokenizer.json", "tokenizer_config.json"):
+        assert (parallel / side).read_bytes() == (sharded_model / side).read_bytes()
+    source_config = json.loads((sharded_model / "config.json").read_text())
+    assert json.loads((parallel / "config.json").read_text()) == fp8_hf_config(source_config)
+
+
+def test_the_start_checkpoint_is_atomic_and_written_once(sharded_model, tmp_path, monkeypatch):
+    from slimrl.config.schema import SlimConfig
+    from slimrl.orchestration import fp8_start
+
+    config = SlimConfig()
+    config.model.hf_checkpoint = str(sharded_model)
+    config.rollout.sglang.quantization = "fp8"
+
+    def dies(write, calls):
+        write(*calls[0])  # one worker's shards land, then the run is killed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fp8_start, "local_pool_map", dies)
+    with pytest.raises(KeyboardInterrupt):
+        fp8_start.serving_checkpoint(config, tmp_path)
+    assert not (tmp_path / "fp8_start").exists() and (tmp_path / "fp8_start.partial").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(fp8_start.os, "cpu_count", lambda: 1)  # one worker, in this process: fast
+    start = Path(fp8_start.serving_checkpoint(config, tmp_path))
+    assert start == tmp_path / "fp8_start" and not (tmp_path / "fp8_start.partial").exists()
+    written = (start / "config.json").stat().st_mtime_ns
+    assert fp8_start.serving_checkpoint(config, tmp_path) == str(start)  # reused, not rewritten
+    assert (start / "config.json").stat().st_mtime_ns == written
+
+
+def test_ray_writers_run_on_training_slots_spread_over_nodes(monkeypatch):
+    import ray
+
+    from slimrl.devices.launch_plan import Slot
+    from slimrl.orchestration.fp8_start import WRITER_CPUS, ray_map, spread_slots
+    from slimrl.orchestration.placement import DeviceSlots
+
+    layout = [Slot("a", 0), Slot("a", 1), Slot("a", 2), Slot("b", 0), Slot("b", 1), Slot("b", 2)]
+    assert spread_slots(layout, 4) == [0, 3, 1, 4]
+    assert spread_slots(layout[:2], 3) == [0, 1, 0]
+    launched = []
+
+    class FakeTask:  # Ray's shape: `.options()` once, then `.remote()` (no second `.options()`)
+        def __init__(self, fn):
+            self.fn = fn
+
+        def options(self, **options):
+            fn = self.fn
+            launched.append(options)
+            return type("Wrapper", (), {"remote": staticmethod(lambda *args: fn(*args))})()
+
+    monkeypatch.setattr(ray, "remote", FakeTask)
+    monkeypatch.setattr(ray, "get", lambda futures: futures)
+    slots = DeviceSlots(placement_group=None, ordered_bundles=[5, 4, 3, 2, 1, 0], use_gpu=True, layout=layout)
+    out = ray_map(slots, train_slots=4)(lambda part: ([(f"p{part}", [])], part), [(0,), (1,), (2,)])
+    assert out == [([("p0", [])], 0), ([("p1", [])], 1), ([("p2", [])], 2)]
+    # training slots 0..3 are a0 a1 a2 b0: the writers go to a0, b0, a1
+    assert [o["scheduling_strategy"].placement_group_bundle_index for o in launched] == [5, 2, 4]
+    assert all(o["num_cpus"] == WRITER_CPUS and o["num_gpus"] == 0 for o in launched)
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_dry_run_shows_the_checkpoint_the_engines_load(path):
+    config = load_config(path)
+    shipped = str(path.relative_to(REPO))
+    proc = run_slimrl("train", shipped, "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    paths = {e["command"][e["command"].index("--model-path") + 1] for e in report["engines"]}
+    if config.rollout.sglang.quantization == "fp8":
+        start = str(Path(config.run.runs_dir) / config.run.name / "fp8_start")
+        assert paths == {start} and report["fp8_start"]["path"] == start
+        assert report["fp8_start"]["from"] == config.model.hf_checkpoint
+        assert report["fp8_start"]["written"].startswith("at start")
+        text = run_slimrl("train", shipped, "--dry-run").stdout
+        assert f"fp8 start checkpoint: {start} (every engine's --model-path)" in text
+        assert "written at start, before the engines load" in text
+    else:
+        assert paths == {config.model.hf_checkpoint} and "fp8_start" not in report
+
+
+@pytest.mark.slow
+def test_ray_writers_make_the_same_start_checkpoint(sharded_model, tmp_path):
+    """Real Ray on this machine, one CPU slot per training rank: the writer tasks land on their
+    slots and write the single-process bytes."""
+    import ray
+
+    from slimrl.megatron_bridge.hf_io import HFCheckpointReader
+    from slimrl.orchestration.fp8_start import ray_map
+    from slimrl.orchestration.placement import create_device_slots, worker_env
+    from slimrl.weight_sync.fp8 import write_fp8_checkpoint
+
+    reference = HFCheckpointReader(_single_process_fp8(sharded_model, tmp_path / "single"))
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env("cpu")})
+    try:
+        slots = create_device_slots(4, use_gpu=False)
+        written = write_fp8_checkpoint(sharded_model, tmp_path / "ray", parts=3, map_parts=ray_map(slots, 4))
+    finally:
+        ray.shutdown()
+    got = HFCheckpointReader(written)
+    assert len({f.split("-of-")[0] for f in got.location.values()}) >= 3
+    assert sorted(got.names) == sorted(reference.names)
+    for name in reference.names:
+        assert torch.equal(got.get(name).view(torch.uint8), reference.get(name).view(torch.uint8)), name

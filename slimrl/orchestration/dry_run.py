@@ -39,16 +39,16 @@ class EngineLaunch:
 
 def engine_launches(config: SlimConfig, device: str) -> list[EngineLaunch]:
     """Every engine's launch on the config's layout (hosts named `nodeN`, as the plan prints)."""
+    from slimrl.orchestration.fp8_start import serving_path
     from slimrl.orchestration.placement import worker_env
     from slimrl.rollout.servers import server_command
 
+    model_path = serving_path(config)  # what the engines load: the FP8 start copy for an FP8 fleet
     launches = []
     for seat in engine_seats(config, simulated_layout(config), device):
         host = "127.0.0.1" if config.cluster.num_nodes == 1 and config.ray.address is None else seat.node
         base = seat.base_gpu_id() if seat.on_gpu else None
-        cmd, server_env = server_command(
-            config, config.model.hf_checkpoint, host, PLAN_PORT + seat.index, seat.index, base
-        )
+        cmd, server_env = server_command(config, model_path, host, PLAN_PORT + seat.index, seat.index, base)
         env = {**worker_env(device), **seat.actor_env, **server_env}
         launches.append(EngineLaunch(seat, cmd, env))
     return launches
@@ -93,6 +93,33 @@ def _transport_line(config: SlimConfig, device: str) -> str:
     return f"weight sync: {transport}{chosen}: {how}{shared}"
 
 
+def start_checkpoint(config: SlimConfig) -> dict[str, str] | None:
+    """The FP8 start checkpoint an FP8 fleet loads: where, from what, when and how it is written."""
+    if config.rollout.sglang.quantization != "fp8":
+        return None
+    from slimrl.orchestration.fp8_start import serving_path
+
+    return {
+        "path": serving_path(config),
+        "from": config.model.hf_checkpoint,
+        "written": "at start, before the engines load; reused by restarted engines and resumed runs",
+        "how": "block-FP8 copy (weight_sync/fp8.py), the source's safetensors files split among Ray "
+        "tasks on the training slots' nodes, written aside and renamed",
+    }
+
+
+def _start_checkpoint_lines(config: SlimConfig) -> list[str]:
+    start = start_checkpoint(config)
+    if start is None:
+        return []
+    return [
+        f"fp8 start checkpoint: {start['path']} (every engine's --model-path)",
+        f"  from {start['from']}",
+        f"  written {start['written']}",
+        f"  {start['how']}",
+    ]
+
+
 def _engine_lines(launch: EngineLaunch, device: str) -> list[str]:
     seat = launch.seat
     unit = "GPUs" if device == "cuda" else "CPU slots"
@@ -122,6 +149,7 @@ def render(config: SlimConfig) -> str:
     ]
     if device == "cuda" and rollout.engine == "sglang":
         lines.append("  engine actors see all GPUs of their node; --base-gpu-id picks their first")
+    lines += _start_checkpoint_lines(config)
     for launch in engine_launches(config, device):
         lines += _engine_lines(launch, device)
     return "\n".join(lines)
@@ -146,6 +174,8 @@ def render_json(config: SlimConfig) -> dict[str, Any]:
     report = config_ledger(config).to_json()
     report["trainer_env"] = trainer_launch_env(config, device)
     if config.algorithm.loss == "policy":
+        if (start := start_checkpoint(config)) is not None:
+            report["fp8_start"] = start
         report["engines"] = [
             {"index": launch.seat.index, "node": launch.seat.node, "gpus": list(launch.seat.devices),
              "command": launch.command, "env": launch.env}

@@ -9,7 +9,6 @@ updates; the importance-sampling corrections of the trainer handle the mismatch)
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
+from slimrl.orchestration.fp8_start import serving_checkpoint  # the FP8 start copy, written in parallel
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.placement import ROLLOUT_SHARE_COLOCATED, DeviceSlots
 from slimrl.orchestration.ray_fleet import EngineLost, RayFleet
@@ -44,23 +44,6 @@ def _unless_fleet_down(rollout: Any) -> Any:
         if isinstance(exc.cause, FleetDown):
             return None
         raise
-
-
-def serving_checkpoint(config: SlimConfig, run_dir: Path) -> str:
-    """The checkpoint the engines start from. An FP8 fleet starts from a block-FP8 copy written
-    once per run (`weight_sync/fp8.py`): quantising a bf16 checkpoint on load would drop the weight
-    loaders that every later update needs."""
-    if config.rollout.sglang.quantization != "fp8":
-        return config.model.hf_checkpoint
-    from slimrl.weight_sync.fp8 import write_fp8_checkpoint
-
-    target = run_dir / "fp8_start"
-    if not target.exists():  # written aside, then renamed: a killed run leaves no half copy
-        partial = run_dir / "fp8_start.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        write_fp8_checkpoint(config.model.hf_checkpoint, partial)
-        partial.rename(target)
-    return str(target)
 
 
 def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[float]:
@@ -301,7 +284,7 @@ def run_rl(
     first_slot = 0 if colocated else world
     share = ROLLOUT_SHARE_COLOCATED if colocated else 1.0
     fleet = RayFleet(
-        config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir)
+        config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir, slots)
     )  # engines load before the trainer builds
     try:
         # Colocated engines always hand their memory over, on CPU as on GPUs: SGLang's memory

@@ -40,7 +40,7 @@ def _plan(args: argparse.Namespace) -> None:
     """Print the per-GPU memory plans of the trainer and of one rollout engine; a layout that cannot
     fit exits 2 with one line on stderr (an engine that does not fit is refused at load)."""
     from slimrl.config import load_config
-    from slimrl.trainer.engine_plan import check_engine_fits, plan_engine
+    from slimrl.trainer.engine_plan import check_config_engines, plan_engine
     from slimrl.trainer.memory_plan import check_fits, plan
 
     config = load_config(args.config, args.overrides)
@@ -49,7 +49,7 @@ def _plan(args: argparse.Namespace) -> None:
     if memory.device == "cuda" and config.rollout.engine == "sglang" and config.algorithm.loss == "policy":
         engine = plan_engine(config)
         print("\n" + engine.render(), flush=True)
-        check_engine_fits(engine)  # already at load, unless --device cuda plans a CPU config
+        check_config_engines(config)  # already at load, unless --device cuda plans a CPU config
     check_fits(memory)
 
 

@@ -258,7 +258,12 @@ def test_every_shipped_gpu_config_engine_fits_by_the_plan(path, monkeypatch):
         (["configs/deepseek_v3_256gpu.yaml", "cluster.gpu_memory_gb=80"],
          ["rollout.gpus_per_engine=8: weights 91.26 GiB + KV of one 10240-token sequence 0.67 GiB + CUDA "
           "graphs/activations 32.50 GiB (SGLang's estimate) = 124.43 GiB per GPU, above the 80.00 GiB",
-          "does not fit one node", "does not start engines spanning nodes", "cluster.gpu_memory_gb=141"]),
+          "an engine does not fit one node of 8 GPUs, and slimrl's launcher does not start engines spanning "
+          "nodes", "cluster.gpu_memory_gb=141"]),
+        (["configs/deepseek_v3_256gpu.yaml", "cluster.gpu_memory_gb=80", "rollout.gpus_per_engine=4",
+          "rollout.sglang.ep_size=4"],
+         ["rollout.gpus_per_engine=4: weights 168.06 GiB", "= 191.73 GiB per GPU, above the 80.00 GiB",
+          "does not fit one node of 8 GPUs (all 8 in one engine: 124.43 GiB per GPU)"]),
         (["configs/deepseek_v3_256gpu.yaml", "rollout.sglang.mem_fraction_static=0.85"],
          ["rollout.sglang.mem_fraction_static=0.85: leaves 21.15 GiB per GPU outside SGLang's static pool, "
           "below the 32.50 GiB", "lower it into 0.652..0.769"]),
@@ -267,7 +272,8 @@ def test_every_shipped_gpu_config_engine_fits_by_the_plan(path, monkeypatch):
           "weights 56.87 GiB", "raise it into 0.723..0.835"]),
         (["configs/qwen3_30b_a3b_8gpu.yaml", "rollout.gpus_per_engine=1", "cluster.gpu_memory_gb=64"],
          ["rollout.gpus_per_engine=1: weights 56.87 GiB", "above the 64.00 GiB of one GPU",
-          "more GPUs per engine (rollout.gpus_per_engine), rollout.sglang.quantization=fp8"]),
+          "use more GPUs per engine (rollout.gpus_per_engine=8: 21.89 GiB per GPU), "
+          "rollout.sglang.quantization=fp8"]),
         (["configs/grpo_moe_256gpu.yaml", "rollout.sglang.ep_size=1"],
          ["rollout.sglang.quantization=fp8: model.layers.0.mlp.experts.0.gate_proj.weight has 192 rows per "
           "GPU (tp 8, ep 1), not a multiple of SGLang's 128-wide FP8 blocks"]),

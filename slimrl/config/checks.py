@@ -396,9 +396,9 @@ def _check_engine_memory(config: SlimConfig) -> None:
     checkpoint was written, not here. CPU engines have no such budget."""
     if not engines_planned(config):
         return
-    from slimrl.trainer.engine_plan import check_engine_fits, plan_engine
+    from slimrl.trainer.engine_plan import check_config_engines
 
-    check_engine_fits(plan_engine(config))
+    check_config_engines(config)
 
 
 def _check_weight_sync(config: SlimConfig) -> None:

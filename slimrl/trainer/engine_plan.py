@@ -452,9 +452,36 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def check_engine_fits(plan: EnginePlan) -> None:
+def node_engine_plan(config: SlimConfig) -> EnginePlan | None:
+    """The plan of an engine of a whole node (`rollout.gpus_per_engine = cluster.gpus_per_node`,
+    expert parallelism scaled with it), the most one engine may have; None if SGLang could not
+    build that layout or it is the config's own."""
+    import copy
+
+    node, tp = config.cluster.gpus_per_node, config.rollout.gpus_per_engine
+    if tp >= node or node % tp:
+        return None
+    whole = copy.deepcopy(config)
+    whole.rollout.gpus_per_engine = node
+    whole.rollout.sglang.ep_size = config.rollout.sglang.ep_size * (node // tp)
+    try:
+        return plan_engine(whole)
+    except ConfigError:
+        return None
+
+
+def check_config_engines(config: SlimConfig) -> None:
+    """`check_engine_fits` for the config's engines, with a whole node's plan to compare with when
+    they do not fit a GPU at all."""
+    plan = plan_engine(config)
+    if not plan.fits:
+        check_engine_fits(plan, node_engine_plan(config) if plan.needed > plan.gpu_memory else None)
+
+
+def check_engine_fits(plan: EnginePlan, node: EnginePlan | None = None) -> None:
     """Refuse an engine whose weights, one sequence's KV and SGLang's reserve do not fit a GPU, in
-    one line: the key, the numbers (GiB per GPU), and what to change."""
+    one line: the key, the numbers (GiB per GPU), and what to change. `node`: the same model on a
+    whole node's engine (`node_engine_plan`), to say whether more GPUs per engine would do."""
     if plan.fits:
         return
     w = plan.widths
@@ -464,18 +491,25 @@ def check_engine_fits(plan: EnginePlan) -> None:
         f"estimate) = {_gib(plan.needed)} GiB per GPU"
     )
     if plan.needed > plan.gpu_memory:
-        more = "" if w.tp >= plan.gpus_per_node else "more GPUs per engine (rollout.gpus_per_engine), "
         fp8 = "" if plan.quantization == "fp8" else "rollout.sglang.quantization=fp8, "
-        node = (
-            f"; an engine of all {plan.gpus_per_node} GPUs of a node does not fit one node, and slimrl's "
-            "launcher does not start engines spanning nodes"
-            if w.tp >= plan.gpus_per_node
-            else ""
-        )
+        limit = f"{numbers}, above the {_gib(plan.gpu_memory)} GiB of one GPU (cluster.gpu_memory_gb)"
+        if w.tp >= plan.gpus_per_node or (node is not None and node.needed > node.gpu_memory):
+            whole = (
+                ""
+                if node is None
+                else f" (all {plan.gpus_per_node} in one engine: {_gib(node.needed)} GiB per GPU)"
+            )
+            raise ConfigError(
+                f"rollout.gpus_per_engine={w.tp}: {limit}; an engine does not fit one node of "
+                f"{plan.gpus_per_node} GPUs{whole}, and slimrl's launcher does not start engines spanning "
+                f"nodes: use {fp8}GPUs with more memory (e.g. 141 GB H200: cluster.gpu_memory_gb=141) or "
+                "shorter sequences"
+            )
+        more = "more GPUs per engine (rollout.gpus_per_engine"
+        more += f"={node.widths.tp}: {_gib(node.needed)} GiB per GPU), " if node is not None else "), "
         raise ConfigError(
-            f"rollout.gpus_per_engine={w.tp}: {numbers}, above the {_gib(plan.gpu_memory)} GiB of one GPU "
-            f"(cluster.gpu_memory_gb){node}: use {more}{fp8}GPUs with more memory (e.g. 141 GB H200: "
-            "cluster.gpu_memory_gb=141) or shorter sequences"
+            f"rollout.gpus_per_engine={w.tp}: {limit}: use {more}{fp8}GPUs with more memory or shorter "
+            "sequences"
         )
     low = (plan.weight_bytes + plan.sequence_kv) / plan.gpu_memory
     high = 1 - plan.reserve / plan.gpu_memory

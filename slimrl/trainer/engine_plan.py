@@ -8,8 +8,8 @@ SGLang 0.5.23 engine holds, the way SGLang builds it:
   attention-TP group (`tp / dp` with DP attention: replicated per DP rank when dp = tp, the
   `fused_qkv_a_proj_with_mqa` / `kv_a_proj_with_mqa` of MLA always replicated), routed experts
   `E / ep` per GPU each split over `tp / ep`, dense and shared-expert MLPs over the full TP group,
-  the embedding over attention TP and `lm_head` over TP (vocab padded to 64 per rank); with
-  `rollout.sglang.quantization: fp8` the tensors `megatron_bridge.fp8.QUANTIZED_WEIGHT_PATTERNS`
+  the embedding over attention TP and `lm_head` over TP (vocab padded to a multiple of 64, or of
+  64 x tp); with `rollout.sglang.quantization: fp8` the tensors `megatron_bridge/fp8_names.py`
   names are 1 byte per element plus one float32 scale per 128x128 block, the rest bf16; MLA keeps a
   bf16 copy of `kv_b_proj` split into `w_kc`/`w_vc` (its absorbed decode path);
 - **KV cache** of one full sequence (`data.max_prompt_tokens + rollout.sampling.max_new_tokens`):
@@ -51,6 +51,12 @@ KV_CACHE_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2"
 """Bytes per KV element for `--kv-cache-dtype` (`auto`: the model dtype, bf16)."""
 
 
+def extra_flags(config: SlimConfig) -> dict[str, object]:
+    """`rollout.sglang.extra_args` by SGLang flag name (`cuda_graph_max_bs_decode` and
+    `--cuda-graph-max-bs-decode` are one flag, as in `server_args.py`)."""
+    return {str(k).lstrip("-").replace("_", "-"): v for k, v in config.rollout.sglang.extra_args.items()}
+
+
 # ------------------------------------------------------------------------------- widths
 @dataclass(frozen=True, slots=True)
 class EngineWidths:
@@ -70,7 +76,7 @@ class EngineWidths:
     @classmethod
     def of(cls, config: SlimConfig) -> EngineWidths:
         sglang, tp = config.rollout.sglang, config.rollout.gpus_per_engine
-        extra = {k.lstrip("-").replace("_", "-"): v for k, v in sglang.extra_args.items()}
+        extra = extra_flags(config)
         attn_dp = tp if sglang.dp_attention else 1
         attn_tp = tp // attn_dp
         head_tp = attn_tp if extra.get("enable-dp-lm-head") else tp
@@ -264,7 +270,6 @@ class ReserveInputs:
     gpu_mib: float
     tp: int
     attn_dp: int
-    mla: bool
     chunked_prefill_size: int | None = None
     decode_max_bs: int | None = None
     max_running_requests: int | None = None
@@ -306,18 +311,22 @@ def sglang_reserve_mib(inp: ReserveInputs) -> tuple[float, int, int]:
     return reserve, chunk, max_bs
 
 
-def _reserve_inputs(config: SlimConfig, arch: ModelArch, w: EngineWidths) -> ReserveInputs:
-    extra = {k.lstrip("-").replace("_", "-"): v for k, v in config.rollout.sglang.extra_args.items()}
-    decode_graphs = not (extra.get("disable-cuda-graph") or extra.get("disable-decode-cuda-graph"))
+def _reserve_inputs(config: SlimConfig, w: EngineWidths) -> ReserveInputs:
+    """The reserve's inputs: the GPU and engine widths, and the `extra_args` SGLang sizes it by."""
+    extra = extra_flags(config)
+
+    def number(flag: str) -> int | None:
+        value = extra.get(flag)
+        return None if value is None else int(value)  # type: ignore[call-overload]
+
     return ReserveInputs(
         gpu_mib=config.cluster.gpu_memory_gb * 1024,
         tp=w.tp,
         attn_dp=w.attn_dp,
-        mla=arch.mla is not None,
-        chunked_prefill_size=extra.get("chunked-prefill-size"),
-        decode_max_bs=extra.get("cuda-graph-max-bs-decode"),
-        max_running_requests=extra.get("max-running-requests"),
-        decode_graphs=decode_graphs,
+        chunked_prefill_size=number("chunked-prefill-size"),
+        decode_max_bs=number("cuda-graph-max-bs-decode"),
+        max_running_requests=number("max-running-requests"),
+        decode_graphs=not (extra.get("disable-cuda-graph") or extra.get("disable-decode-cuda-graph")),
     )
 
 
@@ -405,14 +414,14 @@ def plan_engine(config: SlimConfig) -> EnginePlan:
         weights[tensor.term] = weights.get(tensor.term, 0) + tensor_bytes(tensor, fp8)
     if arch.mla is not None:
         weights["MLA w_kc/w_vc copies"] = mla_absorbed_bytes(arch, widths)
-    extra = {k.lstrip("-").replace("_", "-"): v for k, v in config.rollout.sglang.extra_args.items()}
+    extra = extra_flags(config)
     kv_dtype = str(extra.get("kv-cache-dtype", "auto"))
     if kv_dtype not in KV_CACHE_BYTES:
         raise ConfigError(
             f"rollout.sglang.extra_args.kv_cache_dtype={kv_dtype}: the engine plan knows "
             + ", ".join(KV_CACHE_BYTES)
         )
-    reserve_mib, chunk, max_bs = sglang_reserve_mib(_reserve_inputs(config, arch, widths))
+    reserve_mib, chunk, max_bs = sglang_reserve_mib(_reserve_inputs(config, widths))
     dp = f", DP attention x{widths.attn_dp}" if widths.attn_dp > 1 else ""
     tokens, setting = sequence_tokens(config)
     return EnginePlan(

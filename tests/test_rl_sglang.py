@@ -158,9 +158,12 @@ def test_grpo_disk_against_real_sglang_keeps_one_version(tmp_path, tiny_model, m
     )  # fmt: skip
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < SYNCED
     versions = sorted(p.name for p in (tmp_path / "sglang_disk" / "weight_sync").iterdir())
-    assert versions == [f"v{steps}"]
-    sync = ["pause_generation", "update_weights_from_disk", "flush_cache", "continue_generation"]
-    assert control_calls(tmp_path / "sglang_disk" / "logs" / "engine0.log") == sync * steps
+    assert versions == [f"v{steps}"]  # the start push (v0) and every later one pruned
+    # colocated: released memory, resumed for the update, then the KV cache; a push before step 1
+    sync = ["release_memory_occupation", "pause_generation", "resume_memory_occupation",
+            "update_weights_from_disk", "flush_cache", "resume_memory_occupation",
+            "continue_generation"]  # fmt: skip
+    assert control_calls(tmp_path / "sglang_disk" / "logs" / "engine0.log") == sync * (steps + 1)
 
 
 def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):

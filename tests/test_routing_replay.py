@@ -150,10 +150,17 @@ def run_layout(tmp_path, case: Case, nproc: int, overrides: list[str]):
     return merged, results, metrics
 
 
+def abs_diffs(ours: dict[str, list[float]], theirs: list[list[float]]) -> list[float]:
+    return [abs(a - b) for k, values in enumerate(theirs) for a, b in zip(ours[str(k)], values, strict=True)]
+
+
 def max_abs_diff(ours: dict[str, list[float]], theirs: list[list[float]]) -> float:
-    return max(
-        abs(a - b) for k, values in enumerate(theirs) for a, b in zip(ours[str(k)], values, strict=True)
-    )
+    return max(abs_diffs(ours, theirs))
+
+
+def mean_abs_diff(ours: dict[str, list[float]], theirs: list[list[float]]) -> float:
+    diffs = abs_diffs(ours, theirs)
+    return sum(diffs) / len(diffs)
 
 
 LAYOUTS = [
@@ -194,9 +201,13 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
         assert rank["disagreement/own"] == 0.0
         for name in ("permuted", "engine"):
             assert rank[f"disagreement/{name}"] == pytest.approx(case.disagreement[name], abs=1e-12), name
-    # The bf16 engine against the fp32 trainer: replaying its routing brings the mismatch down.
+    # The bf16 engine against the fp32 trainer: replaying its routing brings the mismatch down. The
+    # mean, not the max: where the routes agree, both sides differ by the same bf16 rounding, and on
+    # some CPUs the largest such difference is larger than any a flipped route makes.
     engine = case.hf["engine_bf16"]
-    assert max_abs_diff(logprobs["replay/engine"], engine) < max_abs_diff(logprobs["free"], engine)
+    # Measured: 8.7e-4 with replay vs 9.4e-4 without (7.7% less); required: half that effect.
+    replayed, free = mean_abs_diff(logprobs["replay/engine"], engine), mean_abs_diff(logprobs["free"], engine)
+    assert replayed < (1 - 0.035) * free, (replayed, free)
     # One RL step on the permuted routing: the training forward replays it (its old logprobs equal
     # HF's under it), the reference model replays it too (KL 0 while the weights are equal).
     assert metrics["train/routing_disagreement"] == pytest.approx(case.disagreement["permuted"], abs=1e-12)

@@ -128,7 +128,9 @@ def check_trace_against_model(trace: list[list[list]], sizes: Sizes) -> None:
                 continue
             gathers = [m for n, m in calls_of_round if n == "all_gather"]
             assert all(m in (tp[rank], etp[rank]) for m in gathers), (rank, round_index, gathers)
-            first_exchange = next(i for i, (n, _) in enumerate(calls_of_round) if n != "all_gather")
+            first_exchange = next(
+                (i for i, (n, _) in enumerate(calls_of_round) if n != "all_gather"), len(calls_of_round)
+            )  # `disk` exchanges nothing until it finishes
             assert all(n != "all_gather" for n, _ in calls_of_round[first_exchange:]), (rank, round_index)
 
 

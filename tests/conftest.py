@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
-SGLANG_TIER_MODULES = {"test_sglang_real", "test_weight_wire", "test_sglang_parser", "test_rl_sglang"}
+SGLANG_TIER_MODULES = {
+    "test_sglang_real", "test_weight_wire", "test_sglang_parser", "test_rl_sglang", "test_transport_matrix",
+    "test_sglang_loaders", "test_engine_plan_sglang",
+}  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

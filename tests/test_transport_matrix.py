@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from slimrl.devices.rank_groups import Sizes
 from slimrl.rollout.servers import ServerProcess, server_command
 from tests.conftest import PYTHON, REPO, free_port
-from tests.engines import engine_config, running_engines
+from tests.engines import engine_config
 from tests.netns_hosts import Hosts, network_hosts
 from tests.test_weight_sync_order import check_trace_against_model
 
@@ -45,9 +46,29 @@ ONE_HOST = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
+    """Two real SGLang servers, started together: engine 1's ranks sit at a group rank offset and,
+    colocated, on trainer rank 1's device."""
     model = tiny_model("qwen3_moe")
-    with running_engines("sglang", model, tmp_path_factory.mktemp("matrix_engine"), 1) as urls:
-        yield model, urls
+    log_dir = tmp_path_factory.mktemp("matrix_engines")
+    config = engine_config("sglang", model)
+    servers = []
+    try:
+        for index in range(2):
+            port = free_port()
+            cmd, env = server_command(config, str(model), "127.0.0.1", port, index)
+            servers.append(ServerProcess(f"engine{index}", cmd, "127.0.0.1", port, env=env,
+                                         log_path=log_dir / f"engine{index}.log"))  # fmt: skip
+            servers[-1].start()
+        for server in servers:
+            server.wait_healthy(300)
+        yield model, [s.url for s in servers]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("torch_*")}
 
 
 def base_overrides(model, nproc: int, layout: list[str]) -> list[str]:
@@ -97,11 +118,17 @@ def check_outcomes(results: list[dict], sizes: Sizes) -> None:
 def test_every_transport_from_every_layout_on_one_host(tmp_path, engine, layout):
     model, urls = engine
     nproc, overrides, sizes = LAYOUTS[layout]
+    before = shm_segments()
     results = run_matrix(tmp_path, urls, model, nproc, overrides, ONE_HOST)
+    # every bucket's segment is unlinked once its last reader is done; an engine may still map the
+    # last one it loaded from each rank that served it
+    left = shm_segments() - before
+    assert len(left) <= len(urls) * nproc, sorted(left)[:5]
     print(layout, [(r["mode"], r["transport"], r.get("diff"), r.get("seconds")) for r in results])
     check_outcomes(results, sizes)
     refused = next(r for r in results if r["expect"] == "refused")
     assert "trainer/0 and engine/0/tp0 are both on node0 slot 0 in the weight_sync group" in refused["load"]
+    assert all(len(r.get("versions", urls)) == len(urls) for r in results)  # both engines, every time
 
 
 TWO_HOSTS = [

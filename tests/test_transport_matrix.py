@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ from slimrl.rollout.servers import ServerProcess, server_command
 from tests.conftest import PYTHON, REPO, free_port
 from tests.engines import engine_config
 from tests.netns_hosts import Hosts, network_hosts
+from tests.test_weight_sync import run_segments, shm_segments
 from tests.test_weight_sync_order import check_trace_against_model
 
 pytestmark = pytest.mark.slow
@@ -65,10 +65,6 @@ def engine(tiny_model, tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
-
-
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("torch_*")}
 
 
 def base_overrides(model, nproc: int, layout: list[str]) -> list[str]:
@@ -122,7 +118,7 @@ def test_every_transport_from_every_layout_on_one_host(tmp_path, engine, layout)
     results = run_matrix(tmp_path, urls, model, nproc, overrides, ONE_HOST)
     # every bucket's segment is unlinked once its last reader is done; an engine may still map the
     # last one it loaded from each rank that served it
-    left = shm_segments() - before
+    left = run_segments(shm_segments() - before, json.loads((tmp_path / "out" / "pids.json").read_text()))
     assert len(left) <= len(urls) * nproc, sorted(left)[:5]
     print(layout, [(r["mode"], r["transport"], r.get("diff"), r.get("seconds")) for r in results])
     check_outcomes(results, sizes)

@@ -12,6 +12,7 @@ of a two-node layout says (the test starts them there). Rank 0 writes OUT_DIR/ra
 
 import faulthandler
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -108,8 +109,6 @@ def bounded_push(actor, urls, transport, version, sync_dir, trace_dir) -> dict:
         if not done.wait(SYNC_DEADLINE_S) and dist.get_rank() == 0:
             print(f"HUNG: {collectives.hang_report(trace_dir, dist.get_world_size())}", flush=True)
             faulthandler.dump_traceback()
-            import os
-
             os._exit(3)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -183,9 +182,12 @@ def main() -> None:
                 requests.get(f"{u}/get_model_info", timeout=10).json().get("weight_version") for u in urls
             ]
         results.append(outcome)
+    pids: list = [None] * info.world_size  # the creators of this run's shared-memory segments
+    dist.all_gather_object(pids, os.getpid())
     if info.rank == 0:
         close_weight_sync_group(actor_calls(config), urls)
         (out_dir / "rank0.json").write_text(json.dumps(results))
+        (out_dir / "pids.json").write_text(json.dumps(pids))
     destroy_distributed()
 
 

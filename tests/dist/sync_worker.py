@@ -7,6 +7,7 @@ logprobs the engines reported for them, and the trainer's logprobs of the same t
 
 import faulthandler
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def main() -> None:
         loss_masks=[[1] * len(tokens) for tokens, _ in after],
     )
     trainer = actor.response_logprobs(scoring)
+    pids: list = [None] * info.world_size  # the creators of this run's shared-memory segments
+    dist.all_gather_object(pids, os.getpid())
     if info.rank == 0:
         assert before is not None
         versions = {
@@ -90,6 +93,7 @@ def main() -> None:
             "engine_before": [logps for _, logps in before],
             "versions": versions,
             "sync": sync,
+            "pids": pids,
         }
         (out_dir / "rank0.json").write_text(json.dumps(result))
     destroy_distributed()

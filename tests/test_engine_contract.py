@@ -483,6 +483,35 @@ def _logprobs(out: dict[str, Any]) -> list[float | None]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
 
 
+def test_weights_checker_finds_every_tensor_an_update_did_not_write(engine: Engine) -> None:
+    """SGLang's `/weights_checker`: snapshot, reset to random, reload, compare. Only a tensor the
+    reload wrote back compares equal; per-tensor checksums follow the weights."""
+    first = engine.post("weights_checker", {"action": "checksum"})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["success"] is True and len(body["ranks"]) == 1
+    checksums = body["ranks"][0]["checksums"]
+    assert len(checksums) >= 10 and all(len(c) == 16 and int(c, 16) >= 0 for c in checksums.values())
+    assert len(body["per_engine_checksum"]) == 64
+    for action in ("snapshot", "reset_tensors"):
+        reply = engine.post("weights_checker", {"action": action}).json()
+        assert reply == {"success": True, "message": "Success."}
+    reset = engine.post("weights_checker", {"action": "checksum"}).json()["ranks"][0]["checksums"]
+    assert all(reset[name] != checksums[name] for name in checksums)
+    refused = engine.post("weights_checker", {"action": "compare"})
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "check tensor equality failed" in refused.json()["message"]
+    assert "name=" in refused.json()["message"] and "max_abs_err=" in refused.json()["message"]
+    assert engine.post("update_weights_from_disk", {"model_path": str(engine.model)}).status_code == 200
+    compared = engine.post("weights_checker", {"action": "compare"})
+    assert compared.status_code == 200 and compared.json()["success"] is True, compared.text
+    again = engine.post("weights_checker", {"action": "checksum"}).json()
+    assert again["ranks"][0]["checksums"] == checksums
+    assert again["per_engine_checksum"] == body["per_engine_checksum"]
+    # compare consumed the snapshot (SGLang drops it on success)
+    assert engine.post("weights_checker", {"action": "compare"}).status_code == 400
+
+
 def test_released_weights_are_lost_until_an_update_is_pushed(engine: Engine) -> None:
     """As SGLang's memory saver on a GPU: after release + resume the weights are garbage (NaN on
     CPU: the logits are NaN, greedy picks token 0, the NaN logprobs are JSON null); the weights

@@ -22,7 +22,7 @@ ADMIN_ENDPOINTS = frozenset(
         "release_memory_occupation", "resume_memory_occupation", "update_weights_from_disk",
         "update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group",
         "destroy_weights_update_group", "update_weight_version", "get_weights_by_name",
-        "begin_weight_update", "end_weight_update",
+        "begin_weight_update", "end_weight_update", "weights_checker",
     }
 )  # fmt: skip
 """SGLang 0.5.23's admin-level endpoints among those slimrl calls or serves: with an admin key

@@ -66,6 +66,7 @@ import torch
 
 from slimrl.rollout.embedded.kv_cache import BatchKV
 from slimrl.rollout.embedded.sampling import SamplingParams, sample_step
+from slimrl.rollout.embedded.weight_checker import WeightChecker
 from slimrl.rollout.embedded.weights import WeightTargets, load_checkpoint
 from slimrl.utils.hf import quiet_progress_bars
 
@@ -253,6 +254,7 @@ class Engine:
             | _token_ids(self.tokenizer.eos_token_id)
         )
         self.targets = WeightTargets(self.model)
+        self.checker = WeightChecker(self.model)
         self.max_running_requests = max_running_requests
         self.rescorer = rescorer
         self.on_sample = on_sample
@@ -440,6 +442,17 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Future[list[float]]:
         return self.call_async(lambda: self.targets.get(name).detach().reshape(-1)[:truncate_size].tolist())
+
+    def check_weights(self, action: str, skip: list[str] | None = None) -> Future[dict[str, Any] | None]:
+        """SGLang's `/weights_checker` actions on the served weights (`weight_checker.py`)."""
+
+        def run() -> dict[str, Any] | None:
+            result = self.checker.handle(action, skip)
+            if action == "reset_tensors":
+                self._refresh_rescorer()
+            return result
+
+        return self.call_async(run)
 
     def load_info(self) -> dict[str, Any]:
         """Counts for /get_load and /v1/loads (read without locking: approximate by nature)."""

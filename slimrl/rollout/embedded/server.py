@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -77,6 +78,7 @@ SUCCESS_SHAPED = frozenset(
         "/update_weight_version",
         "/begin_weight_update",
         "/end_weight_update",
+        "/weights_checker",
     }
 )
 """Endpoints whose refusals SGLang answers as `{"success": false, "message"}`."""
@@ -294,6 +296,7 @@ class EmbeddedServer:
             (("GET", "POST"), "/get_weights_by_name", self.get_weights_by_name),
             (("POST",), "/begin_weight_update", self.begin_weight_update),
             (("POST",), "/end_weight_update", self.end_weight_update),
+            (("GET", "POST"), "/weights_checker", self.weights_checker),
         ]
         for methods, path, handler in routes:
             for method in methods:
@@ -750,6 +753,20 @@ class EmbeddedServer:
         size = _field({"truncate_size": raw}, "truncate_size", int)
         values = await self._wait(engine.get_weights_by_name(name, size))
         return web.json_response(values, dumps=_dumps)
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's weight checker: `{"success", "message"}`, with `ranks` (one per TP rank) and
+        `per_engine_checksum` (SHA-256 over the ranks' checksums) for `checksum`."""
+        engine = self._engine()
+        body = await _json_body(request)
+        action = _field(body, "action", str, "checksum")
+        _field(body, "allow_quant_error", bool, False)  # nothing is quantised here
+        skip = _field(body, "skip_tensor_list", list, None)
+        rank = await self._wait(engine.check_weights(action, skip))
+        if rank is None:
+            return _ok("Success.")
+        overall = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+        return _ok("Success.", ranks=[rank], per_engine_checksum=overall)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """Open SGLang 0.5.23's session (nothing to restore here: no in-place quantisation)."""

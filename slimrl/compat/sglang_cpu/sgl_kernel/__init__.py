@@ -10,7 +10,8 @@ NotImplementedError, naming the kernel, if it is ever called.
 Importing it also installs the process's other CPU patches, this import being the first of ours to
 run in every server process: `slimrl.compat.sglang_cpu.host_memory` (host buffers allocated
 without CUDA host registration) and `slimrl.compat.sglang_cpu.memory_saver` (SGLang's memory saver
-on host memory: `--enable-memory-saver` releases lose their contents as on a GPU).
+on host memory: `--enable-memory-saver` releases lose their contents as on a GPU) and
+`slimrl.compat.sglang_cpu.weight_checker` (SGLang's `/weights_checker` compares on the CPU).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import ctypes
 
 import torch
 
-from slimrl.compat.sglang_cpu import host_memory, memory_saver
+from slimrl.compat.sglang_cpu import host_memory, memory_saver, weight_checker
 
 host_memory.install()
 memory_saver.install()
+weight_checker.install()
 
 
 def assign_req_to_token_pool_cpu(

@@ -141,13 +141,14 @@ def test_grpo_async_disaggregated_distributed_against_real_sglang(tmp_path, tiny
     moved = [now for before, now in pairs if before["train/grad_norm"] > 0]
     assert moved and all(r["train/train_rollout_logprob_abs_diff"] > 1e-6 for r in moved)
 
-    # the broadcast group is opened at the first sync and kept (not rebuilt at every sync)
+    # the broadcast group is opened at the first sync and kept (not rebuilt at every sync); the
+    # first sync is at step 0: the update check reset the engine's weights to check that push
     def sync(*group: str) -> list[str]:
         return ["pause_generation", "begin_weight_update", *group, "update_weights_from_distributed",
                 "end_weight_update", "flush_cache", "continue_generation"]  # fmt: skip
 
     calls = control_calls(tmp_path / "sglang_async" / "logs" / "engine0.log")
-    assert calls == sync("init_weights_update_group") + sync() * (steps - 1)
+    assert calls == sync("init_weights_update_group") + sync() * steps
 
 
 def test_grpo_disk_against_real_sglang_keeps_one_version(tmp_path, tiny_model, mod_sum_data):
@@ -186,3 +187,33 @@ def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
     assert [r["train/routing_disagreement"] for r in metrics] == [0.0] * steps
     assert max(r["train/train_rollout_logprob_abs_diff_max"] for r in metrics) < REPLAYED_MAX
     assert all(r["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=SYNCED) for r in metrics)
+
+
+def test_a_corrupted_update_is_pushed_again_then_stops_the_run_naming_the_tensor(
+    tmp_path, tiny_model, mod_sum_data
+):
+    """Bytes flipped on the way to real SGLang (the fault point `SLIMRL_FAULT_CORRUPT_UPDATE`), in
+    one router's weights. The first update (checked exactly: SGLang's snapshot / reset / compare)
+    is corrupted once: SGLang's own compare names the tensor and the second push heals it. The next
+    update is corrupted at every push (at another place each time): its probe scores off the
+    trainer's, the second push names the tensor, and the run stops in one line, resumable from the
+    checkpoint of the step."""
+    name = "corrupted"
+    cmd = command(
+        tmp_path, name, tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang", "train.num_steps=2",
+        "rollout.num_engines=1", "checkpoint.save_interval=1", "logging.tensorboard=false",
+    )  # fmt: skip
+    env = {**os.environ, "SLIMRL_FAULT_CORRUPT_UPDATE": "layers.1.mlp.gate@0x1,layers.0.mlp.gate@1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    healed = [line for line in proc.stderr.splitlines() if "weight update 0 failed its check" in line]
+    assert len(healed) == 1, proc.stderr[-3000:]
+    assert "model.layers.1.mlp.gate.weight differs from the snapshot" in healed[0]
+    assert healed[0].endswith("pushed it once more: the start-up snapshot checks it again")
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("slimrl: error: weight update 1 failed its check twice"), error
+    assert "the probe's logprobs differ from the trainer's" in error
+    assert "model.layers.0.mlp.gate.weight differs between the two pushes" in error
+    checkpoint = tmp_path / name / "checkpoints" / "iter_0000001"
+    assert f"resubmit to resume from {checkpoint}" in error
+    assert (checkpoint / "driver_state.json").is_file()

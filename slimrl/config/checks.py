@@ -122,6 +122,7 @@ RANGES: dict[str, Range] = {
     "rollout.dynamic_sampling_std_threshold": _AT_LEAST_0,
     "rollout.update_weight_buffer_bytes": _AT_LEAST_1,
     "rollout.weight_sync_timeout_s": _ABOVE_0,
+    "rollout.verify_logprob_tolerance": _AT_LEAST_0,
     "rollout.sglang.mem_fraction_static": Range(low=0, high=1, low_open=True, high_open=True),
     "rollout.sglang.ep_size": _AT_LEAST_1,
     "rollout.sglang.server_timeout_s": _ABOVE_0,

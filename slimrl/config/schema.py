@@ -200,6 +200,22 @@ class RolloutConfig:
     weight_sync_timeout_s: float = 1800.0
     """Longest a weight sync may take; past it the run stops in one line naming what every
     trainer rank waits in (a hung collective), resumable from the last checkpoint."""
+    verify_updates: bool = True
+    """After every weight sync, check each engine with SGLang's weight checker: it reports the
+    pushed version, engines serving the same shards hold equal tensors (per-tensor checksums), and
+    the update changed their weights. A failed check pushes once more, then stops the run in one
+    line naming the engine and tensor (resumable: the step's checkpoint is saved before the sync)."""
+    verify_logprob_tolerance: float | None = None
+    """The update check's probe: a fixed 16-token sequence scored by every engine and by the trainer
+    after each update; their mean absolute logprob difference must stay within this. Null: ten
+    times what the first checked update measured (at least 1e-4), i.e. the engine's numerics
+    against the trainer's (bf16 against fp32 near 1e-2, fp32 on both sides near 1e-7); corrupted
+    weights move it by far more (one router's weights flipped in 64 places: 2e-3 against 3e-8)."""
+    verify_first_update: bool = True
+    """When the run starts from the engines' own HF weights: each engine snapshots and resets them
+    to random values at start, and after the first push every tensor of every TP rank must equal
+    the snapshot (within FP8's block error). Costs one host-memory copy of each engine's weights
+    until that push, and makes the run push at step 0."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options (GPU fleet)."""
     router: RouterConfig = field(default_factory=RouterConfig)

@@ -79,6 +79,11 @@ class MemoryHandoff:
             self.trainer_offloaded = True
         self._resume(KV_CACHE)
 
+    def for_retry(self) -> None:
+        """After a push whose check failed, before pushing it again: the KV cache goes, as before
+        the first push (the engines keep the weights the retry overwrites)."""
+        self._release(frozenset({KV_CACHE}))
+
     def to_engines(self) -> None:
         """Before a rollout: engines hold everything. Right after a sync this is a no-op; weights
         released and not pushed since would be served undefined, so that is refused."""

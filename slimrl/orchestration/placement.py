@@ -15,6 +15,7 @@ from typing import Any
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import EngineSeat, Slot, order_slots
 from slimrl.devices.ledger import Ledger
+from slimrl.utils.faults import FAULT_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def worker_env(device: str) -> dict[str, str]:
     if device == "cpu":
         # Two cores shared by several processes: one intra-op thread each avoids oversubscription.
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    env.update({k: os.environ[k] for k in FAULT_VARS if k in os.environ})  # a test's or drill's fault
     return env
 
 

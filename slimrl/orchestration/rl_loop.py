@@ -26,9 +26,11 @@ from slimrl.orchestration.ray_fleet import EngineLost, RayFleet
 from slimrl.orchestration.sample_log import SampleLog
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
+from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
-from slimrl.trainer.checkpoint import checkpoint_root
+from slimrl.trainer.checkpoint import checkpoint_root, latest_checkpoint
+from slimrl.weight_sync.verify import UpdateMismatch
 
 logger = logging.getLogger("slimrl")
 
@@ -92,31 +94,59 @@ class RLRun:
         trainers: TrainerGroup,
         fleet: RayFleet,
         handoff: MemoryHandoff,
+        check: UpdateCheck,
     ) -> None:
-        self.config, self.run_dir, self.trainers, self.fleet, self.handoff = (
-            config,
-            run_dir,
-            trainers,
-            fleet,
-            handoff,
-        )
+        self.config, self.run_dir, self.trainers, self.fleet = config, run_dir, trainers, fleet
+        self.handoff, self.check = handoff, check
         self.transport = weight_transport(config)
         self.ckpt_root = checkpoint_root(config, run_dir)
 
     # ------------------------------------------------------------------ pieces
-    def sync_weights(self, version: int) -> float:
+    def sync_weights(self, version: int, expect_change: bool = False) -> dict[str, float]:
+        """Push the trainer's weights as `version` and check every engine holds them (one more push
+        if not). `expect_change`: the trainer updated its weights since the last push."""
         start = time.perf_counter()
+        metrics = self._push_verified(version, expect_change)
+        return {**metrics, "perf/weight_sync_seconds": time.perf_counter() - start}
+
+    def _push(self, version: int, probe: bool = False) -> list[float] | None:
+        """One push, generation paused and the memory handoff around it; with `probe`, the
+        trainer's probe logprobs of the weights it pushes (while its parameters are on the
+        devices). Generation goes on afterwards: the update check's probe generates."""
         # Retract, not in place: requests in flight (async runs) give back their KV cache and are
         # prefilled again with the new weights, so the prefix cache can be flushed after the update.
         self.fleet.control("pause_generation", {"mode": "retract"})
-        sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
         self.handoff.before_push()
+        expected = self.trainers.probe_logprobs(self.check.probe) if probe else None
+        sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
         trace_dir = self.run_dir / "weight_sync_trace"
         timeout = self.config.rollout.weight_sync_timeout_s
         self.trainers.push_weights(self.fleet.urls, self.transport, version, sync_dir, trace_dir, timeout)
         self.handoff.after_push()
         self.fleet.control("continue_generation")
-        return time.perf_counter() - start
+        return expected
+
+    def _push_verified(self, version: int, expect_change: bool) -> dict[str, float]:
+        urls = self.fleet.urls
+        expected = self._push(version, probe=self.check.enabled)
+        try:
+            return self.check.verify(urls, version, expect_change, expected)
+        except UpdateMismatch as exc:
+            first = str(exc)
+        self.check.before_retry(urls)
+        self.handoff.for_retry()
+        self._push(version)
+        named = self.check.after_retry(urls)
+        logger.warning(
+            "weight update %d failed its check (%s); pushed it once more: %s", version, first, named
+        )
+        try:
+            return {**self.check.verify(urls, version, expect_change, expected), "verify/retries": 1.0}
+        except UpdateMismatch as exc:
+            raise UpdateMismatch(
+                f"weight update {version} failed its check twice (rollout.verify_updates): {exc}; "
+                f"{named}; {self._resume_hint()}"
+            ) from None
 
     def save(self, step: int) -> None:
         import ray
@@ -127,13 +157,15 @@ class RLRun:
     def resume(self) -> int:
         import ray
 
-        from slimrl.trainer.checkpoint import latest_checkpoint, read_driver_state
+        from slimrl.trainer.checkpoint import read_driver_state
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
         if latest is None:
             # The engines loaded the HF checkpoint. Push when the policy starts elsewhere, or when
             # they released their memory for the trainer's start-up: released weights are gone.
-            if self.config.model.load or not self.config.model.init_from_hf or self.handoff.release_engines:
+            # And when the update check reset them to verify the first push.
+            fresh = self.config.model.load or not self.config.model.init_from_hf
+            if fresh or self.handoff.release_engines or self.check.armed:
                 self.sync_weights(0)
             return 0
         self.trainers.load_checkpoint(latest)
@@ -174,8 +206,6 @@ class RLRun:
         return restarted
 
     def _resume_hint(self) -> str:
-        from slimrl.trainer.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(self.ckpt_root)
         if latest is None:
             return "no checkpoint yet, a resubmission starts over"
@@ -216,9 +246,9 @@ class RLRun:
                 if self.should_save(step + 1):
                     self.save(step + 1)
                 restarted = self.heal()
-                sync_seconds = self.sync_weights(step + 1)
+                synced = self.sync_weights(step + 1, expect_change=train.get("train/update_ok", 1.0) > 0)
                 metrics = self._metrics(rollout, train, restarted, step_start, rollout_seconds, train_seconds)
-                metrics["perf/weight_sync_seconds"] = sync_seconds
+                metrics.update(synced)
                 if config.eval.interval and (step + 1) % config.eval.interval == 0:
                     metrics.update(ray.get(self.fleet.manager.evaluate.remote(step + 1)))
                 metrics["perf/step_seconds"] = time.perf_counter() - step_start
@@ -274,6 +304,13 @@ class RLRun:
         )
 
 
+def first_update_checkable(config: SlimConfig, run_dir: Path) -> bool:
+    """The first push sends exactly what the engines loaded: the HF checkpoint, not resumed."""
+    model = config.model
+    resuming = config.checkpoint.resume and latest_checkpoint(checkpoint_root(config, run_dir)) is not None
+    return config.rollout.verify_first_update and model.init_from_hf and not model.load and not resuming
+
+
 def run_rl(
     config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: TrainerGroup, device: str
 ) -> None:
@@ -290,6 +327,9 @@ def run_rl(
         # Colocated engines always hand their memory over, on CPU as on GPUs: SGLang's memory
         # saver has a CPU stand-in (compat/sglang_cpu/memory_saver.py) that loses what it held.
         handoff = MemoryHandoff(fleet, trainers, config.rollout.num_engines, colocated, offload)
+        check = UpdateCheck(config)
+        if first_update_checkable(config, run_dir):
+            check.arm(fleet.urls)  # before the release below: the engines hold the HF weights
         handoff.to_trainer()
         summaries = trainers.setup(total_steps=total_steps)
         logger.info(
@@ -299,6 +339,6 @@ def run_rl(
         from slimrl.utils.gc_tuning import freeze_startup_heap
 
         freeze_startup_heap()  # the driver's Ray, torch and config objects: out of later collections
-        RLRun(config, run_dir, trainers, fleet, handoff).run()
+        RLRun(config, run_dir, trainers, fleet, handoff, check).run()
     finally:
         fleet.shutdown()

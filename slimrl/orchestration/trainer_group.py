@@ -91,6 +91,11 @@ class TrainerGroup:
                     merged[key] = value
         return merged
 
+    def probe_logprobs(self, tokens: list[int]) -> list[float]:
+        """The trainer's logprobs of `tokens[1:]` (the update check's probe)."""
+        answers = [a for a in self.run("probe_logprobs", None, tokens) if a is not None]
+        return answers[0]
+
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
         """All ranks write into a fresh temporary directory; then it is published atomically."""
         from slimrl.trainer.checkpoint import new_tmp_dir, publish

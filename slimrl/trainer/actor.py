@@ -341,6 +341,21 @@ class MegatronActor:
 
         return rl.response_logprobs(self, batch)["logprobs"]
 
+    def probe_logprobs(self, tokens: list[int]) -> list[float] | None:
+        """Logprobs of `tokens[1:]` under the current weights, the update check's probe: every rank
+        runs it (one sequence per DP rank), the last pipeline stage answers, others None. The
+        routers choose for themselves (no engine routing to replay: the engines are not updated
+        yet when the probe runs)."""
+        n = len(tokens) - 1
+        probe = TrainBatch(tokens=[tokens], response_lengths=[n], loss_masks=[[1] * n])
+        if self.routing is not None:
+            self.routing.enabled = False
+        try:
+            return self.response_logprobs(probe).get(0)
+        finally:
+            if self.routing is not None:
+                self.routing.enabled = True
+
     # ---------------------------------------------------------------- weight sync
     def push_weights(
         self,

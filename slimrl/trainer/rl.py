@@ -91,7 +91,7 @@ def _dp_sum(actor: MegatronActor, values: dict[str, float]) -> dict[str, float]:
 
 def check_routing(actor: MegatronActor, batch: TrainBatch) -> None:
     """With routing replay, every sequence must carry the engine's routing for this model."""
-    if actor.routing is not None:
+    if actor.routing is not None and actor.routing.enabled:
         from slimrl.trainer.routing_replay import check_routing as check
 
         check(batch, actor.arch)
@@ -394,8 +394,9 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         )
         return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
-    reports, _, grad_norm = actor.optimizer_step(batch, megatron_scaled(actor, loss_fn), with_labels=False)
+    reports, ok, grad_norm = actor.optimizer_step(batch, megatron_scaled(actor, loss_fn), with_labels=False)
     metrics = {
+        "train/update_ok": float(ok),  # Megatron skips a step whose gradients are not finite
         "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "train/lr": state.optimizer.param_groups[0]["lr"],
         "train/oom_retries": float(actor.oom_retries),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.export import Exporter
+from slimrl.utils import faults
 from slimrl.weight_sync import collectives
 from slimrl.weight_sync.engines import Engine, EngineCalls
 from slimrl.weight_sync.fp8 import fp8_bucket
@@ -92,6 +93,7 @@ def push_weights(
             for index in range(collectives.all_reduce_max(len(units))):
                 collectives.set_round(index)
                 unit = list(exporter.tensors(units[index])) if index < len(units) else []
+                unit = faults.corrupt_update(unit, version)  # a test's fault point; else unit as is
                 sender.exchange(pool, fp8_bucket(unit) if fp8 and unit else unit)
                 pushed += sum(t.numel() * t.element_size() for _, t in unit)
             collectives.set_round(-1)

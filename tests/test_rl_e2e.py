@@ -98,7 +98,8 @@ def test_grpo_survives_a_killed_engine(tmp_path, tiny_model, mod_sum_data):
         "rollout/raw_reward", "rollout/response_length", "rollout/truncated_ratio", "rollout/tokens_per_s",
         "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac", "train/ppo_kl",
         "train/train_rollout_logprob_abs_diff", "perf/rollout_seconds", "perf/train_seconds",
-        "perf/weight_sync_seconds", "perf/step_seconds", "perf/overhead_ratio",
+        "perf/weight_sync_seconds", "perf/step_seconds", "perf/overhead_ratio", "perf/verify_seconds",
+        "verify/probe_logprob_abs_diff", "verify/unchanged_tensors",
     ):  # fmt: skip
         assert all(isinstance(r[key], float) for r in metrics), key
     assert metrics[-1]["rollout/engine_restarts"] >= 1

@@ -24,6 +24,7 @@ PYTHON = sys.executable
 SGLANG_TIER_MODULES = {
     "test_sglang_real", "test_weight_wire", "test_sglang_parser", "test_rl_sglang", "test_transport_matrix",
     "test_sglang_loaders", "test_engine_plan_sglang", "test_update_check",
+    "test_fp8_rollout",
 }  # fmt: skip
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import requests
 import torch
 
+from slimrl.compat.sglang_cpu import SGLANG_RELEASE
 from slimrl.config import load_config
 from slimrl.rollout.servers import ServerProcess, start_server
 from tests.conftest import free_port
@@ -28,10 +30,32 @@ def engine_config(kind: str, model: Path, *overrides: str):
 
 
 def start_engine(kind: str, model: Path, log_dir: Path, index: int = 0, *overrides: str) -> ServerProcess:
-    """Start one server and wait until it answers; on failure the error carries the log tail."""
+    """Start one server and wait until it answers; on failure the error carries the log tail. A
+    real SGLang server proves it is one before any test talks to it."""
     config = engine_config(kind, model, *overrides)
     log = log_dir / f"{kind}{index}-{free_port()}.log"
-    return start_server(config, str(model), log, index, START_TIMEOUT_S)
+    server = start_server(config, str(model), log, index, START_TIMEOUT_S)
+    if kind == "sglang":
+        assert server.process is not None
+        assert_real_sglang(server.url, server.process.pid)
+    return server
+
+
+def assert_real_sglang(url: str, pid: int | None = None) -> None:
+    """The server at `url` is SGLang 0.5.23 itself, by its own word and its process: the embedded
+    engine reports `engine: slimrl-embedded` and slimrl's version, and runs `slimrl serve`."""
+    info = requests.get(f"{url}/get_server_info", timeout=60).json()
+    assert info.get("version") == SGLANG_RELEASE and "engine" not in info, (url, info.get("version"))
+    if pid is not None:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"sglang.launch_server" in argv, argv
+
+
+def assert_sglang_log(log: Path) -> None:
+    """An engine log a run wrote is real SGLang's (its start-up lines, none of the embedded's)."""
+    text = log.read_text(errors="replace")
+    assert "server_args={'model_path'" in text and "Load weight end." in text, f"{log}: not SGLang's log"
+    assert "slimrl-embedded:" not in text, f"{log}: the embedded engine answered"
 
 
 @contextlib.contextmanager

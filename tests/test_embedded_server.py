@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import slimrl
 from slimrl.weight_sync import wire
 from tests.conftest import REPO, free_port
 
@@ -131,7 +132,13 @@ def test_health_info_and_loads(server):
         info = server.get(path, auth=False).json()
         assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == (1, 1, 1, 1)
         assert info["port"] == int(server.url.rsplit(":", 1)[1]) and info["host"] == "127.0.0.1"
-        assert info["model_path"] == str(server.model) and info["version"] and "api_key" not in info
+        assert info["model_path"] == str(server.model) and "api_key" not in info
+        # its own name and version, never SGLang's: no test of real SGLang can pass on it
+        assert (info["engine"], info["version"], info["api_level"]) == (
+            "slimrl-embedded",
+            slimrl.__version__,
+            "sglang 0.5.23",
+        )
     load = server.get("/get_load", auth=False).json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     loads = server.get("/v1/loads?include=core", auth=False).json()["loads"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.engines import assert_sglang_log
 from tests.test_rl_e2e import command, rows, running, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,8 @@ REPLAY = re.compile(r"train/(routing_disagreement|train_rollout_(logprob_abs_dif
 
 def control_calls(log: Path) -> list[str]:
     """Weight-sync and memory calls in the order the engine answered them (repeats collapsed);
-    every one of them answered 200."""
+    every one of them answered 200; the log is real SGLang's."""
+    assert_sglang_log(log)
     calls = [(m[1], m[2]) for m in ACCESS.finditer(log.read_text(errors="replace")) if m[1] in SYNC_CALLS]
     assert all(status == "200" for _, status in calls), calls
     return [name for name, _ in groupby(name for name, _ in calls)]
@@ -177,6 +179,7 @@ def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
         "rollout.n_samples_per_prompt=8", "train.optimizer.lr=1e-3", "checkpoint.save_interval=null",
         "algorithm.routing_replay=true",  # EP2 (the demo config's), colocated
     )  # fmt: skip
+    assert_sglang_log(tmp_path / "sglang_learns" / "logs" / "engine0.log")
     reward = [r["rollout/raw_reward"] for r in metrics]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert last > first + 0.02 and last > 2 * first, (first, last)
@@ -212,6 +215,7 @@ def test_a_corrupted_update_is_pushed_again_then_stops_the_run_naming_the_tensor
     assert healed[0].endswith("pushed it once more: the start-up snapshot checks it again")
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("slimrl: error: weight update 1 failed its check twice"), error
+    assert_sglang_log(tmp_path / name / "logs" / "engine0.log")
     assert "the probe's logprobs differ from the trainer's" in error
     assert "model.layers.0.mlp.gate.weight differs between the two pushes" in error
     checkpoint = tmp_path / name / "checkpoints" / "iter_0000001"

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.engines import assert_sglang_log
 from tests.slurm_cluster import (
     LOCAL,
     RAY_WORKER_PORTS,
@@ -306,6 +307,7 @@ def test_grpo_on_one_node(cluster, tmp_path, tiny_model, mod_sum_data):
     print(f"1-node job {job.job_id}: {job.seconds:.0f} s")
 
 
+@pytest.mark.sglang  # its engine is real SGLang
 def test_engine_node_dies_mid_run(cluster, tmp_path, tiny_model, mod_sum_data):
     """Every process of the engine's node is killed mid-run, slurmd included (as when the host
     goes down): the run stops within a bound with one line that names the engine, its node and
@@ -324,6 +326,7 @@ def test_engine_node_dies_mid_run(cluster, tmp_path, tiny_model, mod_sum_data):
         time.sleep(0.5)
     # Real SGLang on the other node took every update over the link: its logprobs are the trainer's.
     head_ip, engine_ip = cluster.nodes[head], cluster.nodes[engine_node]
+    assert_sglang_log(run_dir / "logs" / "engine0.log")
     engine_log = (run_dir / "logs" / "engine0.log").read_text(errors="replace")
     updates = re.findall(
         rf'{re.escape(head_ip)}:\d+ - "POST /update_weights_from_distributed HTTP/1.1" 200', engine_log

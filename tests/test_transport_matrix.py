@@ -20,7 +20,7 @@ import pytest
 from slimrl.devices.rank_groups import Sizes
 from slimrl.rollout.servers import ServerProcess, server_command
 from tests.conftest import PYTHON, REPO, free_port
-from tests.engines import engine_config
+from tests.engines import assert_real_sglang, assert_sglang_log, engine_config
 from tests.netns_hosts import Hosts, network_hosts
 from tests.test_weight_sync import run_segments, shm_segments
 from tests.test_weight_sync_order import check_trace_against_model
@@ -61,6 +61,7 @@ def engine(tiny_model, tmp_path_factory):
             servers[-1].start()
         for server in servers:
             server.wait_healthy(300)
+            assert_real_sglang(server.url, server.process.pid if server.process else None)
         yield model, [s.url for s in servers]
     finally:
         for server in servers:
@@ -164,6 +165,8 @@ def test_colocated_over_two_hosts_each_engine_maps_its_own_hosts_rank(tmp_path, 
         try:
             for server in servers:
                 server.wait_healthy(300)
+                assert_real_sglang(server.url)  # its process runs inside the host's namespace
+                assert_sglang_log(tmp_path / f"{server.name}.log")
             args = worker_args(
                 tmp_path, [s.url for s in servers], TWO_HOSTS, base_overrides(model, nproc, overrides)
             )

@@ -79,7 +79,7 @@ class UpdateCheck:
         logger.info("update check: %d engine(s) snapshotted and reset in %.1fs", len(urls), seconds)
 
     def verify(
-        self, urls: Sequence[str], version: int, expect_change: bool, expected: list[float] | None
+        self, urls: Sequence[str], version: int | str, expect_change: bool, expected: list[float] | None
     ) -> dict[str, float]:
         """Raises UpdateMismatch naming engine and tensor (or probe) when an engine does not hold
         the update; returns the check's metrics. `expected`: the trainer's logprobs of the probe
@@ -129,28 +129,33 @@ class UpdateCheck:
         replies = self.checks.action(urls, "compare", allow_quant_error=self.allow_quant_error)
         return [(r.url, compare_failure(_message(r.body), differs)) for r in replies if not r.ok]
 
-    def _probe(self, urls: Sequence[str], expected: list[float]) -> tuple[float, list[tuple[str, str]]]:
-        """The probe's mean |logprob difference| engine vs trainer: the worst, and one line per
-        engine past the tolerance (an unanswered token, NaN weights' null, counts as infinite)."""
+    def engine_logprobs(self, urls: Sequence[str]) -> dict[str, list[float | None]]:
+        """Every engine's logprobs of the probe's tokens 1 on (None where it gave none)."""
         body: dict[str, Any] = {
             "input_ids": self.probe, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True, "logprob_start_len": 0,
         }  # fmt: skip
-        limit, setting = self._limit()
-        worst, lines = 0.0, []
+        scored = {}
         for reply in self.probe_calls.each(urls, "generate", body):
             if not reply.ok:
-                raise SlimError(
-                    f"update check: the probe /generate failed on {reply.url}: {_message(reply.body)}"
-                )
-            logprobs = [t[0] for t in reply.body["meta_info"]["input_token_logprobs"]][1:]
+                failed = f"the probe /generate failed on {reply.url}"
+                raise SlimError(f"update check: {failed}: {_message(reply.body)}")
+            scored[reply.url] = [t[0] for t in reply.body["meta_info"]["input_token_logprobs"]][1:]
+        return scored
+
+    def _probe(self, urls: Sequence[str], expected: list[float]) -> tuple[float, list[tuple[str, str]]]:
+        """The probe's mean |logprob difference| engine vs trainer: the worst, and one line per
+        engine past the limit (an unanswered token, NaN weights' null, counts as infinite)."""
+        limit, setting = self._limit()
+        worst, lines = 0.0, []
+        for url, logprobs in self.engine_logprobs(urls).items():
             pairs = zip(logprobs, expected, strict=True)
             diffs = [abs(a - b) if a is not None else math.inf for a, b in pairs]
             mean = sum(diffs) / len(diffs)
             worst = max(worst, mean) if not math.isnan(mean) else math.inf
             if not mean <= limit:
                 text = f"the probe's logprobs differ from the trainer's by {mean:.3g} on average"
-                lines.append((reply.url, f"{text}, more than {limit:.3g} ({setting})"))
+                lines.append((url, f"{text}, more than {limit:.3g} ({setting})"))
         return worst, lines
 
     def _limit(self) -> tuple[float, str]:

@@ -14,7 +14,8 @@ the SGLang HTTP API reference, `sglang_http_api.md`); the deliberate differences
 * there is no prefix cache: `cached_tokens` is 0 and `flush_cache` only checks idleness;
 * `init_weights_update_group` supports `backend: "gloo"` only (CPU); ranks join a standalone group
   made by `tensor_transport.init_weight_update_group`, which the trainer side must use as well;
-* `version` reports the SGLang API level mirrored (0.5.23); `engine` names this implementation.
+* `version` is slimrl's, `engine` is `slimrl-embedded` and `api_level` names the SGLang contract
+  mirrored (0.5.23): no reply or log line of this server passes for SGLang's.
 
 Memory release and resume behave as SGLang's memory saver (see `engine`): released weights are lost
 unless the server runs with `--enable-weights-cpu-backup`, and resuming a tag that is not released
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SGLANG_API_VERSION = "0.5.23"
+"""The SGLang HTTP contract this server follows (`api_level`); its own `version` is slimrl's."""
+ENGINE_NAME = "slimrl-embedded"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 """Probes answer without a key, as in SGLang (load balancers and Prometheus hold no secrets)."""
@@ -334,13 +337,15 @@ class EmbeddedServer:
 
     @web.middleware
     async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """One line per control call, in the shape of SGLang's access log (uvicorn), so a test
-        reads the order of calls an engine received from either engine's log the same way."""
+        """One line per control call, the request part in the shape of SGLang's access log
+        (uvicorn), so a test reads the order of calls from either engine's log the same way; the
+        line names this engine, so no log of it passes for SGLang's."""
         response = await handler(request)
         if self._is_control(request.path):
             peer = request.remote or "-"
             print(
-                f'INFO:     {peer} - "{request.method} {request.path} HTTP/1.1" {response.status}', flush=True
+                f'{ENGINE_NAME}: {peer} - "{request.method} {request.path} HTTP/1.1" {response.status}',
+                flush=True,
             )
         return response
 
@@ -514,8 +519,9 @@ class EmbeddedServer:
                 "max_req_input_len": engine.context_length - 1,
                 "max_total_num_tokens": engine.context_length * engine.max_running_requests,
                 "internal_states": [{"num_running_reqs": state["num_running_reqs"]}],
-                "version": SGLANG_API_VERSION,
-                "engine": f"slimrl-embedded {slimrl.__version__}",
+                "version": slimrl.__version__,
+                "engine": ENGINE_NAME,
+                "api_level": f"sglang {SGLANG_API_VERSION}",
                 "startup_time": self.started_at,
                 "frontend": "python",
             }
@@ -554,7 +560,7 @@ class EmbeddedServer:
         return web.json_response(
             {
                 "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-                "version": SGLANG_API_VERSION,
+                "version": slimrl.__version__,
                 "accelerator": "cpu",
                 "num_accelerators": 0,
                 "loads": [load],

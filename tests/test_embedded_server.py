@@ -274,14 +274,24 @@ def _long(rid: str) -> dict[str, Any]:
     }
 
 
+def _wait_decoding(server: Server, tokens: int) -> None:
+    """Until the running request holds more than `tokens` tokens of KV (it has decoded some)."""
+    deadline = time.monotonic() + 30
+    while server.get("/v1/loads", auth=False).json()["loads"][0]["num_used_tokens"] <= tokens:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_abort_request_returns_the_partial_output(server, refs):
+    """No fixed sleeps (a fast machine finishes 500 tokens in one): the request is caught decoding,
+    and the abort endpoint answers after the scheduler applied it, so the load right after it
+    tells whether the prefix abort touched the request."""
     thread, box = _in_background(lambda: server.post("/generate", _long("rollout-17-a"), auth=False))
     _wait_running(server)
-    time.sleep(0.2)
+    _wait_decoding(server, len(PROMPT))
     response = server.post("/abort_request", {"rid": "rollout-17"})  # a prefix: ignored, as SGLang
     assert response.status_code == 200 and response.content == b""
-    time.sleep(0.2)
-    assert thread.is_alive()
+    assert server.get("/v1/loads", auth=False).json()["loads"][0]["num_running_reqs"] == 1
     response = server.post("/abort_request", {"rid": "rollout-17-a"})
     assert response.status_code == 200 and response.content == b""
     thread.join(30)

@@ -194,3 +194,30 @@ def test_worker_scenarios_are_json(tmp_path):
     # Guard for the worker's output format used above.
     (tmp_path / "x.json").write_text(json.dumps({"metrics": []}))
     assert json.loads((tmp_path / "x.json").read_text())["metrics"] == []
+
+
+def test_non_finite_gradients_skip_the_step_then_stop_the_run(tmp_path, tiny_model):
+    """NaN in one rank's gradient (fault point, steps 2, 4 and 5 of 5): every rank skips that step
+    and leaves weights and optimizer untouched; a good step between resets the count; two in a row
+    (`train.max_nonfinite_steps=2`) stop it in one line naming the parameter. A non-finite weight is
+    refused before a sync, by name."""
+    model = tiny_model("qwen3_moe")
+    args = [
+        "nonfinite",
+        f"model.hf_checkpoint={model}",
+        "cluster.gpus_per_node=2",
+        "train.max_nonfinite_steps=2",
+    ]
+    results = run_torchrun(WORKER, 2, args, tmp_path / "nonfinite")
+    for rank in results:
+        steps = rank["steps"]
+        assert [s.get("changed") for s in steps] == [True, False, True, False, None]
+        assert [s["metrics"]["train/update_ok"] for s in steps[:4]] == [1.0, 0.0, 1.0, 0.0]
+        assert [s["metrics"]["train/skipped_steps"] for s in steps[:4]] == [0.0, 1.0, 1.0, 2.0]
+        error = steps[4]["error"]
+        assert error.startswith(
+            "2 optimizer steps in a row had non-finite gradients (train.max_nonfinite_steps=2)"
+        )
+        assert "on trainer rank 0" in error and "\n" not in error
+        assert rank["push_error"].startswith("weight sync: parameter ")
+        assert rank["push_error"].endswith("on trainer rank 0 is not finite; nothing was pushed")

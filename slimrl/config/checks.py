@@ -153,6 +153,7 @@ RANGES: dict[str, Range] = {
     "train.max_seq_len": _AT_LEAST_1,
     "train.logprob_chunk_tokens": _AT_LEAST_1,
     "train.oom_max_splits": _AT_LEAST_0,
+    "train.max_nonfinite_steps": _AT_LEAST_1,
     "train.inject_oom_above_tokens": _AT_LEAST_1,
     "train.optimizer.lr": _ABOVE_0,
     "train.optimizer.min_lr": _AT_LEAST_0,

@@ -398,6 +398,10 @@ class TrainConfig:
     """Tokens per chunk of the vocabulary-parallel log-softmax (bounds logits memory)."""
     oom_max_splits: int = 3
     """Times an out-of-memory step is retried with micro-batches half as big before it fails."""
+    max_nonfinite_steps: int = 3
+    """An optimizer step whose gradients are not finite (NaN or inf on any rank) is skipped
+    (`train/skipped_steps`); this many in a row stop the run in one line naming the first parameter
+    whose gradient was not finite."""
     inject_oom_above_tokens: int | None = None
     """Testing only: raise an out-of-memory error for micro-batches above this many tokens."""
 

@@ -35,9 +35,11 @@ from slimrl.trainer.batch import (
 from slimrl.trainer.critic import Critic
 from slimrl.trainer.distributed import RankInfo, check_groups_against_ledger, init_distributed, use_cuda
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
+from slimrl.trainer.numerics import NumericsGuard, grad_buffers
 from slimrl.trainer.offload import Offloader
 from slimrl.trainer.parallel import ParallelLayout
 from slimrl.trainer.weight_store import WeightStore
+from slimrl.utils import faults
 
 if TYPE_CHECKING:
     from slimrl.trainer.routing_replay import RoutingReplay
@@ -63,6 +65,8 @@ class MegatronActor:
         """MoE routing replay of the policy (`algorithm.routing_replay` only)."""
         self.steps_done = 0
         self.oom_retries = 0
+        self.numerics: dict[int, NumericsGuard] = {}
+        """Per trained model (policy, critic): its non-finite gradient steps."""
 
     # ---------------------------------------------------------------- set-up
     def setup(self, total_steps: int) -> dict[str, Any]:
@@ -289,10 +293,23 @@ class MegatronActor:
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
         reports = self.with_oom_retry(run, batch, model=state.model)
+        guard = self.numerics.setdefault(id(state), NumericsGuard(self.config.train.max_nonfinite_steps))
+        guard.steps += 1
+        faults.nonfinite_grad(list(grad_buffers(state.model)), guard.steps, self.rank_info.rank)  # a test's
+        if not guard.gradients_finite(state.model):  # skipped on every rank: nothing applied
+            for chunk in state.model:
+                chunk.zero_grad_buffer()
+            state.optimizer.zero_grad()
+            return reports, False, float("nan")
         ok, grad_norm, _ = state.optimizer.step()
         if ok:
             state.scheduler.step(increment=1)
         return reports, ok, grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients, every model of this actor."""
+        return sum(guard.skipped for guard in self.numerics.values())
 
     # ---------------------------------------------------------------- training
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -314,6 +331,7 @@ class MegatronActor:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": self.state.optimizer.param_groups[0]["lr"],
             "update_ok": float(ok),
+            "skipped_steps": float(self.skipped_steps),
             "oom_retries": float(self.oom_retries),
             "seconds": time.perf_counter() - start,
         }

@@ -216,7 +216,7 @@ def build_train_state(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=use_dist_opt,
         overlap_grad_reduce=False,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=False,  # trainer/numerics.py skips such a step instead of raising
     )
     model = [
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)

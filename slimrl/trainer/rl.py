@@ -396,7 +396,8 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 
     reports, ok, grad_norm = actor.optimizer_step(batch, megatron_scaled(actor, loss_fn), with_labels=False)
     metrics = {
-        "train/update_ok": float(ok),  # Megatron skips a step whose gradients are not finite
+        "train/update_ok": float(ok),  # skipped: gradients not finite (trainer/numerics.py)
+        "train/skipped_steps": float(actor.skipped_steps),
         "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "train/lr": state.optimizer.param_groups[0]["lr"],
         "train/oom_retries": float(actor.oom_retries),

@@ -7,6 +7,9 @@ way a real fault would, from outside, by environment variable. Unset, each is on
   that version (default every push); each push flips the next 64 elements, as faults in flight
   strike anywhere.
 
+* `SLIMRL_FAULT_NONFINITE_GRAD=<step>[,<step>...]`: in those optimizer steps of a trainer (1-based,
+  counted per process), trainer rank 0 writes NaN into its first gradient after the backward pass.
+
 Ray actors get these from the driver's environment (`placement.worker_env`).
 """
 
@@ -19,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 CORRUPT_UPDATE = "SLIMRL_FAULT_CORRUPT_UPDATE"
-FAULT_VARS = (CORRUPT_UPDATE,)
+NONFINITE_GRAD = "SLIMRL_FAULT_NONFINITE_GRAD"
+FAULT_VARS = (CORRUPT_UPDATE, NONFINITE_GRAD)
 _SPEC = re.compile(r"^(?P<name>[^@]+)@(?P<version>[^x]+)(?:x(?P<times>\d+))?$")
 _pushes: dict[tuple[str, str], int] = {}
 """(version, tensor) -> how often this process pushed it (each tensor has one owner rank)."""
@@ -48,3 +52,10 @@ def _flipped(tensor: torch.Tensor, push: int) -> torch.Tensor:
     start = 64 * push % max(flat.numel() - 64, 1)
     flat[start : start + 64].view(torch.uint8).bitwise_not_()
     return out
+
+
+def nonfinite_grad(grads: Sequence[torch.Tensor], step: int, rank: int) -> None:
+    """NaN into `grads[0]` on rank 0 if the fault point names optimizer step `step`."""
+    steps = {int(s) for s in os.environ.get(NONFINITE_GRAD, "").split(",") if s.strip().isdigit()}
+    if rank == 0 and step in steps and grads:
+        grads[0].view(-1)[0] = float("nan")

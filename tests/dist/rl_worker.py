@@ -2,12 +2,15 @@
 
 Usage: torchrun --nproc-per-node N tests/dist/rl_worker.py OUT_DIR SCENARIO key=value ...
 Scenarios: `steps` (rollout logprobs taken from the trainer itself, two RL updates),
-`offload` (digests around an offload/onload cycle, then one update).
+`offload` (digests around an offload/onload cycle, then one update), `nonfinite` (NaN gradients
+injected at optimizer steps 2, 4 and 5 by the fault point; digests around each step, the error that
+stops the run, then a non-finite parameter refused before a weight sync).
 Each rank writes OUT_DIR/rank<k>.json; rank 0 also saves the final weights to OUT_DIR/weights.pt.
 With `checkpoint.save_hf=true` the ranks then save a checkpoint to OUT_DIR/ckpt.
 """
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -36,6 +39,34 @@ def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
     )
 
 
+def nonfinite(actor: MegatronActor, batch: TrainBatch, result: dict) -> None:
+    from slimrl.errors import SlimError
+    from slimrl.trainer.numerics import check_weights_finite
+    from slimrl.utils import faults
+
+    os.environ[faults.NONFINITE_GRAD] = "2,4,5"
+    def weights() -> list[torch.Tensor]:
+        return [p.detach().clone() for chunk in actor.state.model for p in chunk.parameters()]
+
+    steps = []
+    for _ in range(5):
+        before = weights()
+        try:
+            metrics = actor.train_rl(batch)
+        except SlimError as exc:
+            steps.append({"error": str(exc)})
+            break
+        changed = any(not torch.equal(a, b) for a, b in zip(before, weights(), strict=True))
+        steps.append({"metrics": metrics, "changed": changed})
+    result["steps"] = steps
+    with torch.no_grad():
+        next(actor.state.model[0].parameters()).view(-1)[3] = float("inf")
+    try:
+        check_weights_finite(actor.state.model)
+    except SlimError as exc:
+        result["push_error"] = str(exc)
+
+
 def main() -> None:
     out_dir, scenario = Path(sys.argv[1]), sys.argv[2]
     config = load_config(None, sys.argv[3:])
@@ -59,6 +90,11 @@ def main() -> None:
         )
         actor.onload()
         result["digests_equal"] = before == actor.state_digests()
+    if scenario == "nonfinite":
+        nonfinite(actor, batch, result)
+        (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
+        destroy_distributed()
+        return
     result["metrics"] = [
         *result.get("metrics", []),
         *[actor.train_rl(batch) for _ in range(2 if scenario == "steps" else 1)],

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from slimrl.errors import ConfigError, SlimError
+from slimrl.utils.cli_args import OneLineParser, non_negative_int, port, positive_int
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -68,8 +69,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
-        if not _:
-            raise SlimError(f"--set {item}: expected key=value")
+        if not _ or not key:
+            raise ConfigError(f"make-tiny --set {item}: expected key=value (a config.json key)")
         overrides[key] = json.loads(value) if value[:1] in "-0123456789[{tfn" else value
     out = make_tiny(args.arch, args.out, seed=args.seed, overrides=overrides, force=args.force)
     print(f"wrote {args.arch} checkpoint to {out}")
@@ -89,7 +90,7 @@ def _serve(args: argparse.Namespace) -> None:
     from slimrl.rollout.embedded.server import ServerArgs, run
 
     if not Path(args.model, "config.json").is_file():
-        raise SlimError(f"serve --model {args.model}: not a Hugging Face checkpoint (no config.json)")
+        raise ConfigError(f"serve --model {args.model}: not a Hugging Face checkpoint (no config.json)")
     server_args = ServerArgs(
         model_path=args.model,
         host=args.host,
@@ -121,9 +122,10 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from slimrl.data.toy_tasks import TASKS
     from slimrl.megatron_bridge.cli import build_parser as convert_parser
 
-    parser = argparse.ArgumentParser(prog="slimrl", description=__doc__)
+    parser = OneLineParser(prog="slimrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a policy (SFT or RL) from a YAML config")
@@ -146,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = sub.add_parser("rollout", help="generation only: run rollouts and write the samples")
     rollout.add_argument("config", help="YAML config")
     rollout.add_argument("overrides", nargs="*", help="key=value overrides")
-    rollout.add_argument("--num-rollouts", type=int, default=1)
+    rollout.add_argument("--num-rollouts", type=positive_int, default=1)
     rollout.set_defaults(handler=_rollout)
 
     plan = sub.add_parser(
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="run directory, e.g. runs/tiny_moe_grpo")
     plot.add_argument("--key", default="rollout/raw_reward")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/<key>.png)")
-    plot.add_argument("--window", type=int, default=10, help="steps in the trailing mean")
+    plot.add_argument("--window", type=positive_int, default=10, help="steps in the trailing mean")
     plot.set_defaults(handler=_plot)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Hugging Face checkpoint")
@@ -174,30 +176,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", required=True, choices=["qwen3_moe", "qwen3", "qwen2", "llama", "deepseek_v3"]
     )
     tiny.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=non_negative_int, default=0)
     tiny.add_argument("--set", action="append", default=[], help="config.json override key=value")
     tiny.add_argument("--force", action="store_true", help="replace an existing output directory")
     tiny.set_defaults(handler=_make_tiny)
 
     data = sub.add_parser("make-data", help="write a toy prompt data set (JSONL: prompt, label, metadata)")
-    data.add_argument("--task", required=True)
+    data.add_argument("--task", required=True, choices=sorted(TASKS))
     data.add_argument("--out", required=True)
-    data.add_argument("--num", type=int, default=1000)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--num", type=positive_int, default=1000)
+    data.add_argument("--seed", type=non_negative_int, default=0)
     data.set_defaults(handler=_make_data)
 
     serve = sub.add_parser(
         "serve", help="serve an HF checkpoint over SGLang's HTTP API (embedded CPU engine)"
     )
     serve.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--port", type=port, required=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every call")
     serve.add_argument(
         "--admin-api-key", default=None, help="require this key (and only it) on control calls"
     )
-    serve.add_argument("--max-running-requests", type=int, default=64)
-    serve.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+    serve.add_argument("--max-running-requests", type=positive_int, default=64)
+    serve.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seeds requests that carry no sampling_seed"
+    )
     serve.add_argument(
         "--true-on-policy",
         action="store_true",

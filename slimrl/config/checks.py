@@ -289,7 +289,22 @@ def _check_ranges(config: SlimConfig) -> None:
             raise ConfigError(f"{section}.stop: holds an empty string, which would stop at once")
 
 
+def _check_names(config: SlimConfig) -> None:
+    """Names that become one directory or file name inside the run's directories."""
+    from slimrl.utils.cli_args import is_plain_name
+
+    named = {"run.name": (config.run.name, f"{config.run.runs_dir}/<name>")}
+    named |= {f"eval.datasets.{n}": (n, "the run directory's eval files") for n in config.eval.datasets}
+    for key, (name, where) in named.items():
+        if not is_plain_name(str(name)):
+            raise ConfigError(
+                f"{key}: {name!r} is not a plain name (letters, digits, `_`, `.`, `-`, not starting "
+                f"with `.` or `-`); it names a directory or file in {where}"
+            )
+
+
 def _check_paths(config: SlimConfig) -> None:
+    _check_names(config)
     hf = Path(config.model.hf_checkpoint)
     if not hf.is_dir():
         raise ConfigError(f"model.hf_checkpoint={hf}: directory not found (make one with `slimrl make-tiny`)")

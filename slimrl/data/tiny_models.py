@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.data.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_char_tokenizer
-from slimrl.errors import SlimError
+from slimrl.errors import ConfigError
 from slimrl.utils.fs import atomic_directory, atomic_write_text
 from slimrl.utils.hf import quiet_progress_bars
 
@@ -113,7 +113,7 @@ def default_config_dict(arch: str) -> dict[str, Any]:
 
 def _check_arch(arch: str) -> None:
     if arch not in TINY_ARCHS:
-        raise SlimError(f"make-tiny: unknown arch `{arch}` (valid: {', '.join(TINY_ARCHS)})")
+        raise ConfigError(f"make-tiny: unknown arch `{arch}` (valid: {', '.join(TINY_ARCHS)})")
 
 
 def _allowed_override_keys(arch: str, defaults: dict[str, Any]) -> set[str]:
@@ -129,7 +129,7 @@ def _apply_overrides(arch: str, defaults: dict[str, Any], overrides: dict[str, A
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
-            raise SlimError(
+            raise ConfigError(
                 f"make-tiny --set {key}: not a {config_class(arch).__name__} key; {hint}"
                 f"valid: {', '.join(sorted(allowed))}"
             )
@@ -140,18 +140,18 @@ def _apply_overrides(arch: str, defaults: dict[str, Any], overrides: dict[str, A
             "rope_theta": float(merged.pop("rope_theta")),
         }
     if merged["vocab_size"] < VOCAB_SIZE:
-        raise SlimError(
+        raise ConfigError(
             f"make-tiny --set vocab_size={merged['vocab_size']}: must be >= {VOCAB_SIZE} (tokenizer)"
         )
     if arch == "deepseek_v3" and merged.get("scoring_func") != "sigmoid":
-        raise SlimError(
+        raise ConfigError(
             f"make-tiny --set scoring_func={merged.get('scoring_func')}: DeepSeek-V3 uses `sigmoid`"
         )
     return merged
 
 
 def build_config(arch: str, overrides: dict[str, Any] | None = None) -> Any:
-    """The transformers config for a tiny `arch`; bad override values become a one-line SlimError."""
+    """The transformers config for a tiny `arch`; bad override values become a one-line ConfigError."""
     from huggingface_hub.errors import StrictDataclassFieldValidationError
 
     kwargs = _apply_overrides(arch, default_config_dict(arch), overrides or {})
@@ -160,7 +160,7 @@ def build_config(arch: str, overrides: dict[str, Any] | None = None) -> Any:
         config.architectures = [_architecture_name(arch)]
     except (TypeError, ValueError, StrictDataclassFieldValidationError) as exc:
         # transformers 5 validates config fields strictly, with a multi-line message: fold it.
-        raise SlimError(f"make-tiny {arch}: invalid config ({' '.join(str(exc).split())})") from None
+        raise ConfigError(f"make-tiny {arch}: invalid config ({' '.join(str(exc).split())})") from None
     return config
 
 
@@ -183,7 +183,7 @@ def build_model(arch: str, *, seed: int = 0, overrides: dict[str, Any] | None = 
             model(torch.tensor([[PAD_TOKEN_ID, EOS_TOKEN_ID]]))
     except (RuntimeError, ValueError, AssertionError, IndexError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
-        raise SlimError(f"make-tiny {arch}: these sizes do not make a working model ({message})") from None
+        raise ConfigError(f"make-tiny {arch}: these sizes do not make a working model ({message})") from None
     _perturb_constant_tensors(model, seed)
     model.generation_config = _generation_config()
     return model
@@ -235,9 +235,9 @@ def make_tiny(
     _check_arch(arch)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise SlimError(f"make-tiny --out {out_dir}: exists and is not a directory")
+        raise ConfigError(f"make-tiny --out {out_dir}: exists and is not a directory")
     if out_dir.exists() and not force:
-        raise SlimError(f"make-tiny --out {out_dir}: exists; pass --force to replace")
+        raise ConfigError(f"make-tiny --out {out_dir}: exists; pass --force to replace")
     model = build_model(arch, seed=seed, overrides=overrides)  # validate before touching the disk
     try:
         with atomic_directory(out_dir, overwrite=force) as tmp, quiet_progress_bars():
@@ -245,7 +245,7 @@ def make_tiny(
             _rename_saved_keys(arch, tmp / "config.json")
             build_char_tokenizer(tmp)
     except FileExistsError:
-        raise SlimError(
+        raise ConfigError(
             f"make-tiny --out {out_dir}: appeared while writing; pass --force to replace"
         ) from None
     return out_dir

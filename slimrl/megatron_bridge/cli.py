@@ -18,16 +18,19 @@ import warnings
 from pathlib import Path
 
 from slimrl.errors import ConfigError, SlimError
+from slimrl.utils.cli_args import OneLineParser, positive_float, positive_int
 
 _ERROR_FILE = "SLIMRL_ERROR_FILE"
 MAX_AUTO_WORKERS = 8
 
 
 def _layout_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size")
+    parser.add_argument(
+        "--etp", type=positive_int, default=None, help="expert tensor-parallel size (default: tp)"
+    )
     parser.add_argument(
         "--workers",
         type=_workers,
@@ -73,21 +76,23 @@ def _layout(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slimrl convert")
+    parser = OneLineParser(prog="slimrl convert")
     sub = parser.add_subparsers(dest="direction", required=True)
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core torch_dist")
     to_mcore.add_argument("--hf-dir", required=True)
     to_mcore.add_argument("--out", required=True)
     _layout_flags(to_mcore)
     to_mcore.add_argument("--verify", action="store_true", help="compare HF and Megatron logits")
-    to_mcore.add_argument("--tolerance", type=float, default=None, help="max |logit diff| for --verify")
+    to_mcore.add_argument(
+        "--tolerance", type=positive_float, default=None, help="max |logit diff| for --verify"
+    )
     to_mcore.add_argument("--force", action="store_true", help="replace an existing --out")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron-Core torch_dist -> HF safetensors")
     to_hf.add_argument("--ckpt", required=True)
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--hf-config-dir", required=True, help="HF dir with config.json and tokenizer")
     _layout_flags(to_hf)
-    to_hf.add_argument("--max-shard-gb", type=float, default=2.0)
+    to_hf.add_argument("--max-shard-gb", type=positive_float, default=2.0)
     to_hf.add_argument("--force", action="store_true", help="replace an existing --out")
     return parser
 

@@ -7,17 +7,17 @@ import os
 import tempfile
 from pathlib import Path
 
-from slimrl.errors import SlimError
+from slimrl.errors import ConfigError
 
 
 def read_series(metrics_path: Path, key: str) -> tuple[list[int], list[float]]:
     if not metrics_path.is_file():
-        raise SlimError(f"{metrics_path}: no metrics file (is this a run directory?)")
+        raise ConfigError(f"{metrics_path}: no metrics file (is this a run directory?)")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     points = [(int(r["step"]), float(r[key])) for r in rows if key in r]
     if not points:
         keys = sorted({k for r in rows for k in r if k != "step"})
-        raise SlimError(f"{metrics_path}: no `{key}` values (keys: {', '.join(keys[:12])}, ...)")
+        raise ConfigError(f"{metrics_path}: no `{key}` values (keys: {', '.join(keys[:12])}, ...)")
     steps, values = zip(*points, strict=True)
     return list(steps), list(values)
 

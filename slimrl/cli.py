@@ -236,6 +236,9 @@ def _one_line(exc: SlimError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from slimrl.utils.hang import register_stack_signal
+
+    register_stack_signal()  # the driver, a server: stacks on demand when a wait expires
     if argv[:1] == ["convert"]:  # the converter relaunches itself under torchrun
         from slimrl.megatron_bridge.cli import main as convert_main
 

@@ -157,6 +157,39 @@ def test_a_rollout_that_lost_every_engine_runs_again_on_restarted_ones(tmp_path,
     assert all(int(p.read_text()) not in victims for p in (run_dir / "logs").glob("engine*.pid"))
 
 
+def test_a_rank_stuck_in_a_sync_stops_the_run_with_every_process_s_stacks(tmp_path, tiny_model, mod_sum_data):
+    """Trainer rank 1 stops for good inside the sync after step 1 (the fault point
+    `SLIMRL_FAULT_HANG_SYNC`); rank 0 waits for it in a collective. Past the bound the run stops in
+    one line naming what each rank waits in, and the stacks of the driver, both trainer ranks and
+    both engines are saved under the run's hang/ directory: rank 0's inside our collectives."""
+    name = "hang"
+    cmd = command(
+        tmp_path, name, tiny_model("qwen3_moe"), mod_sum_data, "train.num_steps=2",
+        "rollout.weight_sync_timeout_s=20", "checkpoint.save_interval=1", "logging.tensorboard=false",
+    )  # fmt: skip
+    env = {**os.environ, "SLIMRL_FAULT_HANG_SYNC": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("slimrl: error: weight sync to version 1 did not finish in 20 s"), error
+    assert "rank 0: waits in " in error and "rank 1: not in a collective" in error, error
+    hang_dirs = list((tmp_path / name / "hang").iterdir())
+    assert len(hang_dirs) == 1 and f"every process's stacks are in {hang_dirs[0]}" in error
+    saved = {p.name for p in hang_dirs[0].iterdir()}
+    assert saved == {
+        "summary.txt",
+        "driver.txt",
+        "trainer_rank0.txt",
+        "trainer_rank1.txt",
+        "engine0.txt",
+        "engine1.txt",
+    }
+    assert "slimrl/weight_sync/collectives.py" in (hang_dirs[0] / "trainer_rank0.txt").read_text()
+    assert "hang_sync (slimrl/utils/faults.py" in (hang_dirs[0] / "trainer_rank1.txt").read_text()
+    assert "push_weights" in (hang_dirs[0] / "driver.txt").read_text()
+    assert (tmp_path / name / "checkpoints" / "iter_0000001").is_dir()  # resumable from step 1
+
+
 def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
     steps = 5
     cmd = command(

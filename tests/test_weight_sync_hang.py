@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+from slimrl.utils import hang
 from slimrl.weight_sync import collectives
 from tests.conftest import PYTHON, REPO, free_port
 
@@ -41,6 +42,7 @@ def test_a_deadlocked_sync_is_one_line_naming_every_ranks_wait(tmp_path):
             assert all(p.poll() is None for p in ranks), [p.communicate()[0][-2000:] for p in ranks]
             time.sleep(0.2)
         line = collectives.hang_report(tmp_path, 2)
+        where = hang.capture(tmp_path / "run", {"rank0": ranks[0].pid, "rank1": ranks[1].pid}, line)
     finally:
         for p in ranks:
             p.kill()
@@ -50,3 +52,10 @@ def test_a_deadlocked_sync_is_one_line_naming_every_ranks_wait(tmp_path):
         "rank 1: waits in recv from rank 0 on trainer_world of export round 3"
     )
     assert collectives.hang_report(tmp_path / "nothing", 1).startswith("rank 0: no trace")
+    # ... and every process's Python stacks beside it (py-spy, which SGLang installs): each rank
+    # is seen inside the receive of our collectives module
+    assert where.parent == tmp_path / "run" / "hang" and (where / "summary.txt").read_text() == line + "\n"
+    for rank in (0, 1):
+        stacks = (where / f"rank{rank}.txt").read_text()
+        assert stacks.startswith(f"# rank{rank}, pid {ranks[rank].pid}"), stacks[:500]
+        assert "recv (slimrl/weight_sync/collectives.py" in stacks, stacks[:2000]

@@ -154,6 +154,7 @@ RANGES: dict[str, Range] = {
     "train.logprob_chunk_tokens": _AT_LEAST_1,
     "train.oom_max_splits": _AT_LEAST_0,
     "train.max_nonfinite_steps": _AT_LEAST_1,
+    "train.step_timeout_s": _ABOVE_0,
     "train.inject_oom_above_tokens": _AT_LEAST_1,
     "train.optimizer.lr": _ABOVE_0,
     "train.optimizer.min_lr": _AT_LEAST_0,

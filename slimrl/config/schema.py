@@ -398,6 +398,10 @@ class TrainConfig:
     """Tokens per chunk of the vocabulary-parallel log-softmax (bounds logits memory)."""
     oom_max_splits: int = 3
     """Times an out-of-memory step is retried with micro-batches half as big before it fails."""
+    step_timeout_s: float = 7200.0
+    """Longest one call on the trainer ranks may take (a training step, a checkpoint save); past
+    it the run stops in one line naming the ranks still working, with every process's Python
+    stacks under `<run dir>/hang/<time>/`, resumable from the last checkpoint."""
     max_nonfinite_steps: int = 3
     """An optimizer step whose gradients are not finite (NaN or inf on any rank) is skipped
     (`train/skipped_steps`); this many in a row stop the run in one line naming the first parameter

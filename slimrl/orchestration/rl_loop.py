@@ -30,6 +30,7 @@ from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
 from slimrl.trainer.checkpoint import checkpoint_root, latest_checkpoint
+from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
 
 logger = logging.getLogger("slimrl")
@@ -304,6 +305,19 @@ class RLRun:
         )
 
 
+def run_processes(run_dir: Path) -> dict[str, int]:
+    """The driver and every engine server this run started (their pid files), by name."""
+    import os
+
+    named = {"driver": os.getpid()}
+    for pid_file in sorted((run_dir / "logs").glob("*.pid")):
+        try:
+            named[pid_file.stem] = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+    return named
+
+
 def first_update_checkable(config: SlimConfig, run_dir: Path) -> bool:
     """The first push sends exactly what the engines loaded: the HF checkpoint, not resumed."""
     model = config.model
@@ -339,6 +353,9 @@ def run_rl(
         from slimrl.utils.gc_tuning import freeze_startup_heap
 
         freeze_startup_heap()  # the driver's Ray, torch and config objects: out of later collections
-        RLRun(config, run_dir, trainers, fleet, handoff, check).run()
+        try:
+            RLRun(config, run_dir, trainers, fleet, handoff, check).run()
+        except Hung as exc:
+            raise with_stacks(exc, run_dir, {**run_processes(run_dir), **trainers.pid_of}) from None
     finally:
         fleet.shutdown()

@@ -58,6 +58,9 @@ class RolloutManager:
     the router process, not yet waited for), then `connect(engine_urls)` once they are healthy."""
 
     def __init__(self, config: SlimConfig, log_dir: str, engine_urls: list[str] | None = None) -> None:
+        from slimrl.utils.hang import register_stack_signal
+
+        register_stack_signal()  # stacks on demand when a wait of the run expires
         self.config = config
         self.front = FleetFront(config, Path(log_dir))  # first: the router starts while we load
         from transformers import AutoTokenizer

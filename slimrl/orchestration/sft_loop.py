@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.trainer.checkpoint import checkpoint_root
+from slimrl.utils.hang import Hung, with_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -87,5 +89,7 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
             if should_save(config, step + 1):
                 state = {"step": step + 1, "sampler": sampler.state_dict()}
                 trainers.save_checkpoint(ckpt_root, step + 1, state, config.checkpoint.keep_last)
+    except Hung as exc:
+        raise with_stacks(exc, run_dir, {"driver": os.getpid(), **trainers.pid_of}) from None
     finally:
         writer.close()

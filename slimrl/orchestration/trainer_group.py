@@ -10,6 +10,18 @@ from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
 from slimrl.trainer.batch import TrainBatch
+from slimrl.utils.hang import Hung
+
+
+def _ranges(ranks: list[int]) -> str:
+    """0,1,2,5 -> '0-2, 5'."""
+    parts: list[str] = []
+    for rank in ranks:
+        if parts and parts[-1].split("-")[-1] == str(rank - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{rank}"
+        else:
+            parts.append(str(rank))
+    return ", ".join(parts)
 
 
 class _RankAddress:
@@ -33,6 +45,7 @@ class TrainerGroup:
     ) -> None:
         import ray
 
+        self.config = config
         remote_actor = ray.remote(_ActorHost)
         env = trainer_env(config, "cuda" if slots.use_gpu else "cpu")
         first = remote_actor.options(**trainer_actor_options(slots, 0, share, env))
@@ -49,6 +62,7 @@ class TrainerGroup:
             for rank, actor in enumerate(self.actors)
         ]
         self.dp_rank_of: list[int] = []
+        self.pid_of: dict[str, int] = {}
 
     def setup(self, total_steps: int) -> list[dict[str, Any]]:
         import ray
@@ -58,6 +72,7 @@ class TrainerGroup:
         coords = ray.get([a.call.remote("coordinates") for a in self.actors])
         ray.get([a.freeze_startup_heap.remote() for a in self.actors])
         self.dp_rank_of = [c["dp"] for c in coords]
+        self.pid_of = self.pids()  # asked now: an actor stuck in a call answers nothing else
         return summaries
 
     @property
@@ -65,14 +80,30 @@ class TrainerGroup:
         return max(self.dp_rank_of) + 1
 
     def run(self, method: str, per_dp: list[Any] | None = None, *args: Any) -> list[Any]:
-        """Call `method` on every rank; with `per_dp`, rank r gets per_dp[its DP rank] first."""
+        """Call `method` on every rank; with `per_dp`, rank r gets per_dp[its DP rank] first.
+        Bounded by `train.step_timeout_s`: past it, Hung names the ranks still working."""
         import ray
 
         calls = []
         for actor, dp_rank in zip(self.actors, self.dp_rank_of, strict=True):
             head = (per_dp[dp_rank],) if per_dp is not None else ()
             calls.append(actor.call.remote(method, *head, *args))
+        timeout = self.config.train.step_timeout_s
+        _, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        if pending:
+            ranks = [rank for rank, call in enumerate(calls) if call in pending]
+            raise Hung(
+                f"trainer call {method} did not finish in {timeout:.0f} s (train.step_timeout_s): the "
+                f"driver waits for trainer rank(s) {_ranges(ranks)} of {self.world_size}"
+            )
         return ray.get(calls)
+
+    def pids(self) -> dict[str, int]:
+        """Process id of every trainer rank, by name (for stacks of a hang)."""
+        import ray
+
+        pids = ray.get([a.pid.remote() for a in self.actors])
+        return {f"trainer_rank{rank}": pid for rank, pid in enumerate(pids)}
 
     def train_step(self, per_dp: list[TrainBatch]) -> dict[str, float]:
         results = self.run("train_step", per_dp)
@@ -133,7 +164,6 @@ class TrainerGroup:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        from slimrl.errors import SlimError
         from slimrl.weight_sync.collectives import hang_report
 
         calls = [
@@ -143,7 +173,7 @@ class TrainerGroup:
         try:
             ray.get(calls, timeout=timeout_s)
         except GetTimeoutError:
-            raise SlimError(
+            raise Hung(
                 f"weight sync to version {version} did not finish in {timeout_s:.0f} s "
                 f"(rollout.weight_sync_timeout_s): {hang_report(trace_dir, self.world_size)}"
             ) from None
@@ -164,13 +194,20 @@ class _ActorHost:
     def pick_address(self) -> tuple[str, int]:
         return _RankAddress.pick()
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def create(
         self, config: SlimConfig, rank: int, world_size: int, address: tuple[str, int], ledger: Ledger | None
     ) -> None:
         from slimrl.compat import megatron_cpu
         from slimrl.trainer.actor import MegatronActor
         from slimrl.trainer.distributed import RankInfo
+        from slimrl.utils.hang import register_stack_signal
 
+        register_stack_signal()  # stacks on demand when a wait on this rank expires
         master_addr, master_port = address
         info = RankInfo(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
         self.actor = MegatronActor(config, info, ledger)

@@ -93,6 +93,7 @@ def push_weights(
             exporter = Exporter(actor.state.model, actor.arch, actor.layout)
             units = exporter.units()
             for index in range(collectives.all_reduce_max(len(units))):
+                faults.hang_sync(version, target.rank)  # a test's fault point
                 collectives.set_round(index)
                 unit = list(exporter.tensors(units[index])) if index < len(units) else []
                 unit = faults.corrupt_update(unit, version)  # a test's fault point; else unit as is

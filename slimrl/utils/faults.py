@@ -10,6 +10,9 @@ way a real fault would, from outside, by environment variable. Unset, each is on
 * `SLIMRL_FAULT_NONFINITE_GRAD=<step>[,<step>...]`: in those optimizer steps of a trainer (1-based,
   counted per process), trainer rank 0 writes NaN into its first gradient after the backward pass.
 
+* `SLIMRL_FAULT_HANG_SYNC=<version>`: in the weight sync of that version, trainer rank 1 stops
+  before its first exchange and never comes back (the others wait for it in a collective).
+
 Ray actors get these from the driver's environment (`placement.worker_env`).
 """
 
@@ -17,13 +20,15 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Sequence
 
 import torch
 
 CORRUPT_UPDATE = "SLIMRL_FAULT_CORRUPT_UPDATE"
 NONFINITE_GRAD = "SLIMRL_FAULT_NONFINITE_GRAD"
-FAULT_VARS = (CORRUPT_UPDATE, NONFINITE_GRAD)
+HANG_SYNC = "SLIMRL_FAULT_HANG_SYNC"
+FAULT_VARS = (CORRUPT_UPDATE, NONFINITE_GRAD, HANG_SYNC)
 _SPEC = re.compile(r"^(?P<name>[^@]+)@(?P<version>[^x]+)(?:x(?P<times>\d+))?$")
 _pushes: dict[tuple[str, str], int] = {}
 """(version, tensor) -> how often this process pushed it (each tensor has one owner rank)."""
@@ -59,3 +64,9 @@ def nonfinite_grad(grads: Sequence[torch.Tensor], step: int, rank: int) -> None:
     steps = {int(s) for s in os.environ.get(NONFINITE_GRAD, "").split(",") if s.strip().isdigit()}
     if rank == 0 and step in steps and grads:
         grads[0].view(-1)[0] = float("nan")
+
+
+def hang_sync(version: str, rank: int) -> None:
+    """Never returns on trainer rank 1 if the fault point names this sync's version."""
+    if rank == 1 and os.environ.get(HANG_SYNC) == str(version):
+        threading.Event().wait()

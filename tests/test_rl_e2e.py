@@ -184,9 +184,11 @@ def test_a_rank_stuck_in_a_sync_stops_the_run_with_every_process_s_stacks(tmp_pa
         "engine0.txt",
         "engine1.txt",
     }
-    assert "slimrl/weight_sync/collectives.py" in (hang_dirs[0] / "trainer_rank0.txt").read_text()
-    assert "hang_sync (slimrl/utils/faults.py" in (hang_dirs[0] / "trainer_rank1.txt").read_text()
-    assert "push_weights" in (hang_dirs[0] / "driver.txt").read_text()
+    stacks = {p.stem: p.read_text() for p in hang_dirs[0].iterdir()}
+    assert "weight_sync/collectives.py" in stacks["trainer_rank0"], stacks["trainer_rank0"][:3000]
+    assert "hang_sync" in stacks["trainer_rank1"] and "utils/faults.py" in stacks["trainer_rank1"]
+    assert "in capture" in stacks["driver"]  # the driver's own, by faulthandler
+    assert all("Thread" in stacks[f"engine{i}"] for i in (0, 1))
     assert (tmp_path / name / "checkpoints" / "iter_0000001").is_dir()  # resumable from step 1
 
 

@@ -72,6 +72,11 @@ class Sample:
     shape (len(tokens) - 1, MoE layers, top_k), in the smallest unsigned dtype holding the expert ids
     (uint8 up to 256 experts). Row i is token i's routing in every MoE layer, whatever its loss mask;
     the last token was never fed to the model, so it has no row. None: not returned (replay off)."""
+    sampled_spans: list[dict[str, Any]] = field(default_factory=list)
+    """What the engines produced (`slimrl/sampled.py`): per engine turn, its response positions
+    `[start, end)`, a digest of its token ids and its weight version(s). Checked after every stage
+    and before training: tokens rewritten after sampling, or trained on without being sampled, are
+    refused."""
     remove_sample: bool = False
     """Set by a filter to keep the sample out of training: its loss mask becomes all zeros
     (`train_loss_mask`), so it adds nothing to the loss or to the token and sequence counts that

@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import REPO
 
 _BELOW_DRIVER = {
-    "slimrl.errors", "slimrl.sample", "slimrl.utils", "slimrl.compat", "slimrl.config", "slimrl.data",
-    "slimrl.megatron_bridge", "slimrl.weight_sync", "slimrl.devices",
+    "slimrl.errors", "slimrl.sample", "slimrl.sampled", "slimrl.utils", "slimrl.compat", "slimrl.config",
+    "slimrl.data", "slimrl.megatron_bridge", "slimrl.weight_sync", "slimrl.devices",
 }  # fmt: skip
 ALLOWED = {
     "slimrl.utils": {"slimrl.errors", "slimrl.utils"},

@@ -29,6 +29,7 @@ from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
+from slimrl.sampled import check_sampled
 from slimrl.trainer.checkpoint import checkpoint_root, latest_checkpoint
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
@@ -66,8 +67,13 @@ def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[fl
     return advantages.reshape(-1).tolist()
 
 
+AFTER_GENERATION = "the reward, filter or buffer hooks after generation"
+
+
 def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
     samples = [s for g in groups for s in g]
+    for sample in samples:  # what the engines sampled is what gets trained on
+        check_sampled(sample, AFTER_GENERATION)
     if config.algorithm.overlong_filtering:  # DAPO: truncated responses are not trained on
         for sample in samples:
             if sample.status == Status.TRUNCATED:

@@ -6,6 +6,7 @@ import numpy as np
 
 from slimrl.errors import SlimError
 from slimrl.sample import Sample
+from slimrl.sampled import train_digest
 from slimrl.trainer.batch import TrainBatch
 
 
@@ -40,9 +41,15 @@ def split_for_dp(
             global_num_seqs=len(samples),
             routed_experts=[_routing(samples[i]) for i in idx] if routing else None,
             sample_indices=[samples[i].index for i in idx],
+            digests=[_digest(samples[i], routing) for i in idx],
         )
         for idx in members
     ]
+
+
+def _digest(sample: Sample, routing: bool) -> str:
+    """What the trainer rank must receive: it recomputes this before training (`TrainBatch`)."""
+    return train_digest(sample.tokens, sample.train_loss_mask(), _routing(sample) if routing else None)
 
 
 def _routing(sample: Sample) -> np.ndarray:

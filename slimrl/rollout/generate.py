@@ -28,6 +28,7 @@ from slimrl.megatron_bridge.model_arch import read_model_arch
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.routing import RoutingLayout, append_routing, routing_request
 from slimrl.sample import Sample, Status
+from slimrl.sampled import record_span
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -114,13 +115,15 @@ def apply_response(
     new_tokens = [int(t[1]) for t in triples] if triples else list(response.get("output_ids", []))
     logprobs = [float(t[0]) for t in triples] if triples else [0.0] * len(new_tokens)
     previous_mask = sample.effective_loss_mask()
+    versions = turn_weight_versions(meta)
+    record_span(sample, sample.response_length, new_tokens, versions)
     sample.tokens = [*sample.tokens, *new_tokens]
     sample.response_length += len(new_tokens)
     sample.response += response.get("text", "")
     sample.loss_mask = [*previous_mask, *([loss_mask_value] * len(new_tokens))]
     sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *logprobs]
     sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "abort"), Status.ABORTED)
-    sample.weight_versions.extend(turn_weight_versions(meta))
+    sample.weight_versions.extend(versions)
     if routing is not None:
         append_routing(sample, response, routing)
     return new_tokens

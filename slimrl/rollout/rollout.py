@@ -25,6 +25,7 @@ from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampli
 from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
 from slimrl.rollout.sample_checks import GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
+from slimrl.sampled import check_sampled
 from slimrl.utils.hooks import load_function
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class _GroupRunner:
             )
         for one in samples:
             check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, **self.training_checks)
+            check_sampled(one, self.hook)
         return samples
 
     async def run_group(self, group: Group) -> Group:
@@ -179,6 +181,7 @@ async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool 
         checks = training_checks(ctx, evaluation)
         for sample in (s for group in groups for s in group):
             check_sample(sample, ROLLOUT_KEY, vocab_size, **checks)
+            check_sampled(sample, ROLLOUT_KEY)
         return RolloutResult(groups, rollout_metrics(groups, time.perf_counter() - start, {}))
     if evaluation:
         return await _run_eval(ctx, source, start)

@@ -24,6 +24,7 @@ import numpy as np
 from slimrl.errors import SlimError
 from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Sample, Status, invalid_expert_id
+from slimrl.sampled import check_routing_rows
 
 GENERATE_KEY = "rollout.custom_generate_function_path"
 ROLLOUT_KEY = "rollout.rollout_function_path"
@@ -118,6 +119,7 @@ def _routing(sample: Sample, hook: str, layout: RoutingLayout) -> np.ndarray:
             f"{who} has shape {array.shape} ({array.dtype}); expected {expected} integers (len(tokens) - 1 "
             f"= {expected[0]}, MoE layers = {expected[1]}, top_k = {expected[2]})"
         )
+    check_routing_rows(array, who)
     if (bad := invalid_expert_id(array, layout.num_experts)) is not None:
         raise SlimError(
             f"{who} holds expert id {bad}; the model has {layout.num_experts} experts "

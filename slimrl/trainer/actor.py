@@ -349,7 +349,12 @@ class MegatronActor:
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Logprob passes, advantages and `train.steps_per_rollout` policy updates."""
         from slimrl.trainer import rl
+        from slimrl.trainer.batch import digest_problem
+        from slimrl.trainer.numerics import agreed_first
 
+        found = agreed_first(digest_problem(batch))  # every rank refuses together (no rank hangs)
+        if found is not None:
+            raise SlimError(f"trainer rank {found[0]}: {found[1]}")
         self.steps_done += 1
         return rl.train_rollout(self, batch)
 

@@ -37,6 +37,9 @@ class TrainBatch:
     for input token i (`Sample.rollout_routed_experts`); None without replay."""
     sample_indices: list[int] = field(default_factory=list)
     """`Sample.index` of each sequence, to name it in messages (defaults to its position)."""
+    digests: list[str] = field(default_factory=list)
+    """Per sequence, `sampled.train_digest` of (tokens, loss mask, routing) as the driver built it;
+    the trainer rank checks it before training (`check_digests`). Empty: not checked."""
 
     def __post_init__(self) -> None:
         if not self.ids:
@@ -305,3 +308,18 @@ def pad_micro_batch_count(parts: list[TrainBatch], count: int) -> list[TrainBatc
         sample_indices=[-1],
     )
     return parts + [filler] * (count - len(parts))
+
+
+def digest_problem(batch: TrainBatch) -> str | None:
+    """The first sequence that did not arrive as the driver sent it (tokens, loss mask or routing
+    rows changed on the way), named; None when every one did."""
+    from slimrl.sampled import train_digest
+
+    for k, expected in enumerate(batch.digests):
+        routing = batch.routed_experts[k] if batch.routed_experts is not None else None
+        if train_digest(batch.tokens[k], batch.loss_masks[k], routing) != expected:
+            return (
+                f"sample {batch.sample_indices[k]}: its tokens, loss mask or routing rows reached the "
+                "trainer changed from the batch the driver built; refused, not trained on"
+            )
+    return None

@@ -6,6 +6,10 @@
 2. Async overlap: one training rank and one engine on separate slots, with rollout and training of
    similar cost; the mean step time with `algorithm.async_staleness=1` vs. the synchronous loop.
    Goal <= 0.7x.
+3. What the run's checks cost (issue 22), from the demo run: the update check (`perf/verify_seconds`)
+   as a share of the weight sync, and the sampled-token checks (`check_sampled` on every sample and
+   the driver's and the trainer's digests, timed here over the very samples the run saved in
+   `rollout_samples.jsonl`) as a share of the step. Goals: <= 3% and <= 1%.
 
 The first steps (start-up, first-touch) are left out of every mean.
 
@@ -40,6 +44,31 @@ def run(runs_dir: Path, name: str, steps: int, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()][WARMUP:]
 
 
+def token_check_seconds(run_dir: Path) -> dict[int, float]:
+    """Per rollout of the run: seconds of `check_sampled` on each sample plus two digests of it
+    (the driver's and the trainer rank's), over the samples the run saved."""
+    import time
+
+    from slimrl.sample import Sample
+    from slimrl.sampled import check_sampled, train_digest
+
+    by_rollout: dict[int, list[Sample]] = {}
+    for line in (run_dir / "rollout_samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        skip = ("rollout_id", "split", "rollout_routed_experts")  # routing is saved as its shape only
+        sample = Sample.from_dict({k: v for k, v in record.items() if k not in skip})
+        by_rollout.setdefault(record["rollout_id"], []).append(sample)
+    seconds = {}
+    for rollout, samples in by_rollout.items():
+        start = time.perf_counter()
+        for sample in samples:
+            check_sampled(sample, "bench")
+            for _ in range(2):
+                train_digest(sample.tokens, sample.train_loss_mask(), None)
+        seconds[rollout] = time.perf_counter() - start
+    return seconds
+
+
 def mean(rows: list[dict], key: str) -> float:
     return statistics.mean(r[key] for r in rows)
 
@@ -63,6 +92,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
         demo = run(runs, "demo", args.steps, *assets)
+        checks = token_check_seconds(runs / "demo")
         sync = run(runs, "sync", args.steps, *assets, *disaggregated, "algorithm.async_staleness=0")
         overlapped = run(runs, "async", args.steps, *assets, *disaggregated, "algorithm.async_staleness=1")
     step = mean(demo, "perf/step_seconds")
@@ -72,6 +102,12 @@ def main() -> None:
         "demo_training_share": round(mean(demo, "perf/train_compute_seconds") / step, 3),
         "demo_weight_sync_share": round(mean(demo, "perf/weight_sync_seconds") / step, 3),
         "demo_orchestration_overhead": round(mean(demo, "perf/overhead_ratio"), 3),
+        "demo_verify_share_of_sync": round(
+            mean(demo, "perf/verify_seconds") / mean(demo, "perf/weight_sync_seconds"), 3
+        ),
+        "demo_token_check_share_of_step": round(
+            statistics.mean(checks[r["step"] - 1] / r["perf/step_seconds"] for r in demo), 4
+        ),
         "sync_step_seconds": round(mean(sync, "perf/step_seconds"), 3),
         "sync_generation_seconds": round(mean(sync, "rollout/seconds"), 3),
         "sync_training_seconds": round(mean(sync, "perf/train_compute_seconds"), 3),

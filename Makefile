@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test test-sglang lint bench clean setup
+.PHONY: demo test test-fast test-sglang lint bench clean setup
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests -q
+
+# A change's first check: everything but the slow end-to-end tests.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest tests -q -m "not slow"
 
 # The real-SGLang tier alone (SGLang 0.5.23's server and code as the referee).
 test-sglang: $(STAMP)

@@ -141,3 +141,14 @@ def test_the_conversion_tools_use_the_same_checked_parser() -> None:
         text = (REPO / "tools" / "convert" / tool).read_text()
         assert "from slimrl.megatron_bridge.cli import main" in text, tool
     assert Path(REPO / "tools" / "convert").is_dir()
+
+
+def test_conversion_errors_name_the_flags_the_command_has() -> None:
+    from slimrl.megatron_bridge.cli import flag_names
+    from slimrl.megatron_bridge.layout_args import LayoutArgs
+
+    said = "parallel.tp=3: must divide the model's 4 attention heads (valid: 1, 2, 4)"
+    assert flag_names(said) == "--tp 3: must divide the model's 4 attention heads (valid: 1, 2, 4)"
+    assert LayoutArgs(pp=2).parallel_config(5).pp_layout == [3, 2]  # uneven stages: split, not refused
+    with pytest.raises(Exception, match=r"^--pp 6: pipeline stages for only 5 layers \(valid: --pp 1 to 5\)"):
+        LayoutArgs(pp=6).parallel_config(5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,18 @@ def resolve_workers(args: argparse.Namespace, inside: bool) -> int:
         return 1  # the conversion itself reports what is wrong with the config
     cores = len(os.sched_getaffinity(0))
     return max(1, min(cores // ranks, layers // args.pp, MAX_AUTO_WORKERS))
+
+
+_FLAG_OF = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.ep": "--ep", "parallel.etp": "--etp"}
+
+
+def flag_names(message: str) -> str:
+    """A layout error in this command's terms: the trainer's checks name config keys
+    (`parallel.tp=3`), the user gave flags (`--tp 3`)."""
+    for key, flag in _FLAG_OF.items():
+        message = re.sub(rf"\b{re.escape(key)}=(\S+)", rf"{flag} \1", message)
+        message = message.replace(key, flag)
+    return message
 
 
 def _layout(args: argparse.Namespace):
@@ -161,7 +174,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             return 0
         if error_file.exists():
             code, _, message = error_file.read_text().partition(" ")
-            print(f"slimrl: error: {message}", file=sys.stderr)
+            print(f"slimrl: error: {flag_names(message)}", file=sys.stderr)
             return int(code)
         sys.stderr.write(logs[failed].read_text()[-4000:])
         return procs[failed].returncode
@@ -193,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_paths(args)
     except ConfigError as exc:
-        print(f"slimrl: error: {exc}", file=sys.stderr)
+        print(f"slimrl: error: {flag_names(str(exc))}", file=sys.stderr)
         return exc.exit_code
     inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
     args.workers = resolve_workers(args, inside)
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             except FileExistsError:
                 pass
         elif int(os.environ.get("RANK", 0)) == 0:
-            print(f"slimrl: error: {exc}", file=sys.stderr)
+            print(f"slimrl: error: {flag_names(str(exc))}", file=sys.stderr)
         return exc.exit_code
     finally:
         import torch.distributed as dist

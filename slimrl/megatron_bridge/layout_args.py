@@ -31,14 +31,20 @@ class LayoutArgs:
         return self.tp * self.pp * dp * self.workers
 
     def parallel_config(self, num_layers: int) -> ParallelConfig:
+        """Any stage count up to the layer count: stages that do not divide the layers get them as
+        evenly as they allow (the checkpoint does not depend on the split that wrote it, so any
+        layout the trainer accepts, uneven stages included, converts)."""
         stages = self.pp * self.workers
-        if self.workers > 1 and stages > num_layers:
+        if stages > num_layers:
+            flag = (
+                f"--workers {self.workers}: pp*workers = {stages}" if self.workers > 1 else f"--pp {self.pp}:"
+            )
             raise ConfigError(
-                f"--workers {self.workers}: pp*workers = {stages} pipeline stages for only {num_layers} "
-                f"layers (valid: 1 to {max(num_layers // self.pp, 1)})"
+                f"{flag} pipeline stages for only {num_layers} layers (valid: --pp 1 to {num_layers}"
+                f"{f', --workers 1 to {max(num_layers // self.pp, 1)}' if self.workers > 1 else ''})"
             )
         uneven = None
-        if self.workers > 1 and num_layers % stages:  # as even as the layers allow
+        if num_layers % stages:  # as even as the layers allow
             base, extra = divmod(num_layers, stages)
             uneven = [base + (stage < extra) for stage in range(stages)]
         return ParallelConfig(

@@ -296,7 +296,8 @@ def test_ppo_run_reward_rises(tmp_path, tiny_model, mod_sum_data):
         assert all(isinstance(r[key], float) for r in rows), key
     reward = [r["rollout/raw_reward"] for r in rows]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert last > first + 0.02 and last > 2 * first, (first, last)
+    # measured: first-10 0.013, last-10 0.073 (2 cores); required: 70% of that rise's end point
+    assert last > first + 0.02 and last > 2 * first and last >= 0.051, (first, last)
     values = [r["train/values"] for r in rows]
     assert sum(values[-10:]) / 10 > 0.5 * last  # the critic tracks the rising reward
     assert (tmp_path / "ppo" / "checkpoints" / "iter_0000040" / "critic" / "metadata.json").is_file()

@@ -204,6 +204,10 @@ def test_async_disaggregated_run(tmp_path, tiny_model, mod_sum_data):
     assert all(r["train/train_rollout_logprob_abs_diff"] > 1e-6 for r in moved)
 
 
+LEARNED = {"dapo": 0.061, "gspo": 0.045, "rloo": 0.042}
+"""Last-10 mean reward each estimator reached in the suite's own run (2 cores, first-10 0.012-0.017,
+chance about 0.01); the test requires 70% of it."""
+
 FAMILY = {
     "gspo": ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_mean"],
     "rloo": ["algorithm.advantage_estimator=rloo"],
@@ -233,7 +237,7 @@ def test_algorithm_family_learns_the_toy_task(tmp_path, tiny_model, mod_sum_data
     reward = [r.get("rollout/raw_reward_unfiltered", r["rollout/raw_reward"]) for r in rows(tmp_path / name)]
     assert len(reward) == steps
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert last > first + 0.02 and last > 2 * first, (first, last)
+    assert last > first + 0.02 and last > 2 * first and last >= 0.7 * LEARNED[name], (first, last)
 
 
 def test_make_demo_script_learns_and_reports(tmp_path, tiny_model, mod_sum_data):
@@ -253,7 +257,8 @@ def test_make_demo_script_learns_and_reports(tmp_path, tiny_model, mod_sum_data)
     assert all(r["rollout/samples"] == 64 * 16 for r in metrics)
     reward = [r["rollout/raw_reward"] for r in metrics]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert last > first + 0.02 and last > 2 * first, (first, last)
+    # measured: first-10 0.015, last-10 0.060 after 40 steps; required: 70% of it
+    assert last > first + 0.02 and last > 2 * first and last >= 0.042, (first, last)
     assert f"first 10 rollouts {first:.3f}, last 10 rollouts {last:.3f} ({steps} steps)" in proc.stdout
     assert "last-10 mean first >= 0.9 at step" in proc.stdout and "wall time" in proc.stdout
     assert (tmp_path / "tiny_moe_grpo" / "reward_curve.png").stat().st_size > 0

@@ -105,21 +105,25 @@ class RLRun:
     ) -> None:
         self.config, self.run_dir, self.trainers, self.fleet = config, run_dir, trainers, fleet
         self.handoff, self.check = handoff, check
+        self.fingerprints: list[tuple[float, float]] | None = None
+        """Each trainer rank's weights fingerprint at the last push."""
+        self.weights_moved = False
         self.transport = weight_transport(config)
         self.ckpt_root = checkpoint_root(config, run_dir)
 
     # ------------------------------------------------------------------ pieces
-    def sync_weights(self, version: int, expect_change: bool = False) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights as `version` and check every engine holds them (one more push
-        if not). `expect_change`: the trainer updated its weights since the last push."""
+        if not)."""
         start = time.perf_counter()
-        metrics = self._push_verified(version, expect_change)
+        metrics = self._push_verified(version)
         return {**metrics, "perf/weight_sync_seconds": time.perf_counter() - start}
 
     def _push(self, version: int, probe: bool = False) -> list[float] | None:
         """One push, generation paused and the memory handoff around it; with `probe`, the
         trainer's probe logprobs of the weights it pushes (while its parameters are on the
-        devices). Generation goes on afterwards: the update check's probe generates."""
+        devices). Generation goes on afterwards: the update check's probe generates. Records
+        whether any trainer weight moved since the previous push (`weights_moved`)."""
         # Retract, not in place: requests in flight (async runs) give back their KV cache and are
         # prefilled again with the new weights, so the prefix cache can be flushed after the update.
         self.fleet.control("pause_generation", {"mode": "retract"})
@@ -128,16 +132,21 @@ class RLRun:
         sync_dir = str(self.run_dir / "weight_sync" / f"v{version}") if self.transport == "disk" else None
         trace_dir = self.run_dir / "weight_sync_trace"
         timeout = self.config.rollout.weight_sync_timeout_s
-        self.trainers.push_weights(self.fleet.urls, self.transport, version, sync_dir, trace_dir, timeout)
+        fingerprints = self.trainers.push_weights(
+            self.fleet.urls, self.transport, version, sync_dir, trace_dir, timeout
+        )
+        self.weights_moved = self.fingerprints is not None and fingerprints != self.fingerprints
+        self.fingerprints = fingerprints
         self.handoff.after_push()
         self.fleet.control("continue_generation")
         return expected
 
-    def _push_verified(self, version: int, expect_change: bool) -> dict[str, float]:
+    def _push_verified(self, version: int) -> dict[str, float]:
         urls = self.fleet.urls
         expected = self._push(version, probe=self.check.enabled)
+        moved = self.weights_moved  # an update whose weights did not move changes no engine tensor
         try:
-            return self.check.verify(urls, version, expect_change, expected)
+            return self.check.verify(urls, version, moved, expected)
         except UpdateMismatch as exc:
             first = str(exc)
         self.check.before_retry(urls)
@@ -148,7 +157,7 @@ class RLRun:
             "weight update %d failed its check (%s); pushed it once more: %s", version, first, named
         )
         try:
-            return {**self.check.verify(urls, version, expect_change, expected), "verify/retries": 1.0}
+            return {**self.check.verify(urls, version, moved, expected), "verify/retries": 1.0}
         except UpdateMismatch as exc:
             raise UpdateMismatch(
                 f"weight update {version} failed its check twice (rollout.verify_updates): {exc}; "
@@ -253,7 +262,7 @@ class RLRun:
                 if self.should_save(step + 1):
                     self.save(step + 1)
                 restarted = self.heal()
-                synced = self.sync_weights(step + 1, expect_change=train.get("train/update_ok", 1.0) > 0)
+                synced = self.sync_weights(step + 1)
                 metrics = self._metrics(rollout, train, restarted, step_start, rollout_seconds, train_seconds)
                 metrics.update(synced)
                 if config.eval.interval and (step + 1) % config.eval.interval == 0:

@@ -158,9 +158,10 @@ class TrainerGroup:
         sync_dir: str | None,
         trace_dir: Path,
         timeout_s: float,
-    ) -> None:
+    ) -> list[tuple[float, float]]:
         """Every rank streams its share of the weights to the engines (`trainer/weight_sync.py`).
-        A sync past `timeout_s` is hung: one line names what every rank waits in."""
+        A sync past `timeout_s` is hung: one line names what every rank waits in. Returns every
+        rank's weights fingerprint (equal to the last push's only if no weight moved)."""
         import ray
         from ray.exceptions import GetTimeoutError
 
@@ -171,7 +172,7 @@ class TrainerGroup:
             for a in self.actors
         ]
         try:
-            ray.get(calls, timeout=timeout_s)
+            return [result["fingerprint"] for result in ray.get(calls, timeout=timeout_s)]
         except GetTimeoutError:
             raise Hung(
                 f"weight sync to version {version} did not finish in {timeout_s:.0f} s "

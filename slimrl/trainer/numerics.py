@@ -104,3 +104,14 @@ def check_weights_finite(chunks: Sequence[Any]) -> None:
         raise SlimError(
             f"weight sync: parameter {name} on trainer rank {rank} is not finite; nothing was pushed"
         )
+
+
+def weights_fingerprint(chunks: Sequence[Any]) -> tuple[float, float]:
+    """This rank's parameters summed and squared-summed in float64: equal between two pushes only
+    if no weight moved (the update check asks whether an update changed anything to push)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            data = param.data.double()
+            total += torch.stack([data.sum(), data.square().sum()]).cpu()
+    return float(total[0]), float(total[1])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.export import Exporter
-from slimrl.trainer.numerics import check_weights_finite
+from slimrl.trainer.numerics import check_weights_finite, weights_fingerprint
 from slimrl.utils import faults
 from slimrl.weight_sync import collectives
 from slimrl.weight_sync.engines import Engine, EngineCalls
@@ -68,7 +68,8 @@ def push_weights(
     admin_api_key: str | None = None,
     trace_dir: str | None = None,
 ) -> dict[str, float]:
-    """All training ranks call this together; returns bytes pushed by this rank and seconds.
+    """All training ranks call this together; returns bytes pushed by this rank, seconds, and the
+    fingerprint of its weights (`numerics.weights_fingerprint`).
 
     The export runs in rounds, one per model unit (`Exporter.units`): the number of rounds is the
     most units any rank has, and every rank calls the transport's `exchange` in every round, with
@@ -111,7 +112,8 @@ def push_weights(
                 _end_sessions(target, pool)
             target.calls.each(pool, target.engines, lambda e: target.calls.post(e.url, "flush_cache"))
     collectives.barrier()
-    return {"bytes": float(pushed), "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    return {"bytes": float(pushed), "seconds": seconds, "fingerprint": weights_fingerprint(actor.state.model)}
 
 
 def _end_sessions(target: SyncTarget, pool: ThreadPoolExecutor, quiet: bool = False) -> None:

@@ -31,8 +31,15 @@ class Hung(SlimError):
 
 
 def register_stack_signal() -> None:
-    """In a process slimrl starts: dump every thread's stack to stderr on `STACK_SIGNAL`."""
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    """In a process slimrl starts: dump every thread's stack to its stderr (file descriptor 2, what
+    its log captures) on `STACK_SIGNAL`. A process without one (an embedding host) is left as is."""
+    stream = sys.__stderr__
+    try:
+        if stream is not None:
+            stream.fileno()
+            faulthandler.register(STACK_SIGNAL, file=stream, all_threads=True, chain=False)
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is an OSError
+        return
 
 
 def _py_spy() -> str | None:

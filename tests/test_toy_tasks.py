@@ -112,9 +112,10 @@ def test_cli_make_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_cli_unknown_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["make-data", "--task", "sudoku", "--out", str(tmp_path / "x.jsonl")])
+    with pytest.raises(SystemExit) as stopped:  # argparse's choices: one line, exit 2
+        main(["make-data", "--task", "sudoku", "--out", str(tmp_path / "x.jsonl")])
     err = capsys.readouterr().err
-    assert code != 0
+    assert stopped.value.code == 2
     assert err.count("\n") == 1 and "sudoku" in err and "mod_sum" in err
     assert not list(tmp_path.iterdir())
 

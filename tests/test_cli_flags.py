@@ -6,6 +6,7 @@ checker, choices or a stated reason fails `test_every_flag_that_takes_a_value_is
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,12 +129,16 @@ def test_free_form_values_are_checked_by_their_command(
     argv: list[str], names: str, capsys, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a plain convert sets them
-        monkeypatch.delenv(name, raising=False)  # ...and monkeypatch takes them away again after
+    rank_env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in rank_env:
+        monkeypatch.delenv(name, raising=False)
     assert slimrl_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and names in err, err
     assert not (tmp_path / "o").exists()
+    # A plain conversion is a world of one only while it runs: left behind, WORLD_SIZE=1 made every
+    # later conversion started from this process join a "launched" world of one (CI, session 18).
+    assert [name for name in rank_env if name in os.environ] == []
 
 
 def test_the_conversion_tools_use_the_same_checked_parser() -> None:

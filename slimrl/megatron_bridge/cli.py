@@ -8,6 +8,7 @@ exactly one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from slimrl.errors import ConfigError, SlimError
@@ -213,9 +215,32 @@ def main(argv: list[str] | None = None) -> int:
     if not inside:
         if _layout(args).world_size > 1:
             return _launch(args, [*argv, "--workers", str(args.workers)])  # the last one counts
-        from slimrl.utils.net import free_port
+        with _one_rank_env():
+            return _run_and_report(args)
+    return _run_and_report(args)
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+@contextlib.contextmanager
+def _one_rank_env() -> Iterator[None]:
+    """A plain single-process conversion is a world of one; the variables are taken away again after,
+    so a caller in the same process (a test, a notebook) does not look like a launched rank to the
+    next conversion it starts."""
+    from slimrl.utils.net import free_port
+
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_and_report(args: argparse.Namespace) -> int:
     try:
         _run_rank(args)
     except SlimError as exc:

@@ -24,6 +24,7 @@ from typing import Any
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.weight_sync.engines import EngineCalls
 from slimrl.weight_sync.verify import (
     EngineChecks,
     RankChecksums,
@@ -54,8 +55,9 @@ class UpdateCheck:
         rollout = config.rollout
         self.enabled = rollout.verify_updates
         timeout = rollout.weight_sync_timeout_s
-        self.checks = EngineChecks(rollout.api_key, rollout.admin_api_key, timeout_s=timeout)
-        self.probe_calls = EngineChecks(rollout.api_key, rollout.admin_api_key, timeout_s=PROBE_TIMEOUT_S)
+        keys = rollout.api_key, rollout.admin_api_key
+        self.checks = EngineChecks(EngineCalls(*keys, timeout_s=timeout, who="update check"))
+        self.probe_calls = EngineChecks(EngineCalls(*keys, timeout_s=PROBE_TIMEOUT_S, who="update check"))
         self.allow_quant_error = rollout.sglang.quantization == "fp8"
         self.tolerance = rollout.verify_logprob_tolerance
         self.baseline: float | None = None
@@ -127,7 +129,7 @@ class UpdateCheck:
 
     def _compare(self, urls: Sequence[str], differs: str) -> list[tuple[str, str]]:
         replies = self.checks.action(urls, "compare", allow_quant_error=self.allow_quant_error)
-        return [(r.url, compare_failure(_message(r.body), differs)) for r in replies if not r.ok]
+        return [(r.url, compare_failure(r.message, differs)) for r in replies if not r.ok]
 
     def engine_logprobs(self, urls: Sequence[str]) -> dict[str, list[float | None]]:
         """Every engine's logprobs of the probe's tokens 1 on (None where it gave none)."""
@@ -139,7 +141,7 @@ class UpdateCheck:
         for reply in self.probe_calls.each(urls, "generate", body):
             if not reply.ok:
                 failed = f"the probe /generate failed on {reply.url}"
-                raise SlimError(f"update check: {failed}: {_message(reply.body)}")
+                raise SlimError(f"update check: {failed}: {reply.message[:300]}")
             scored[reply.url] = [t[0] for t in reply.body["meta_info"]["input_token_logprobs"]][1:]
         return scored
 
@@ -168,7 +170,3 @@ class UpdateCheck:
             limit,
             f"{BASELINE_FACTOR:g}x the first update's {self.baseline:.3g}; rollout.verify_logprob_tolerance",
         )
-
-
-def _message(body: object) -> str:
-    return str(body.get("message", body)) if isinstance(body, dict) else str(body)

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from slimrl.errors import SlimError
-from slimrl.weight_sync.engines import auth_header
+from slimrl.weight_sync.engines import auth_header, parse_body, reply_message
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +59,8 @@ class FleetDown(NoEngineAvailable):
 
 
 def error_message(status: int, text: str) -> str:
-    """One line out of an error body: SGLang's `{"error": {"message"}}`, `{"error": str}`,
-    `{"message"}` (FastAPI validation, weight updates), `{"detail"}` or plain text."""
-    message: Any = text
-    try:
-        payload = json.loads(text)
-    except ValueError:
-        payload = None
-    if isinstance(payload, dict):  # FastAPI's 404/405 say {"detail"}
-        inner = payload.get("error", payload)
-        message = inner.get("message", inner.get("detail", inner)) if isinstance(inner, dict) else inner
-    flat = " ".join(str(message).split()) or "(empty body)"
-    return f"HTTP {status}: {flat[:500]}"
+    """One line out of an error body (`engines.reply_message`), with its HTTP status."""
+    return f"HTTP {status}: {reply_message(parse_body(text))[:500] or '(empty body)'}"
 
 
 def parse_reply(text: str) -> Any:

@@ -14,6 +14,7 @@ Megatron's own check (`check_for_nan_in_grad`) raises on the first NaN instead; 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -96,22 +97,22 @@ class NumericsGuard:
         return False
 
 
-def check_weights_finite(chunks: Sequence[Any]) -> None:
-    """Before a weight sync (collective): a non-finite parameter on any rank stops it, unsent."""
-    found = agreed_first(_first_nonfinite(_params(chunks)))
-    if found is not None:
-        rank, name = found
-        raise SlimError(
-            f"weight sync: parameter {name} on trainer rank {rank} is not finite; nothing was pushed"
-        )
-
-
 def weights_fingerprint(chunks: Sequence[Any]) -> tuple[float, float]:
-    """This rank's parameters summed and squared-summed in float64: equal between two pushes only
-    if no weight moved (the update check asks whether an update changed anything to push)."""
+    """Before a weight sync (collective), in one pass over the parameters: this rank's parameters
+    summed and squared-summed in float64, equal between two pushes only if no weight moved (the
+    update check asks whether an update changed anything to push). A non-finite parameter on any
+    rank stops the sync, unsent: the float64 sum of squares is finite exactly when every element
+    is (a finite bf16/fp32 value squared is below 1e77), so only a failing rank looks for the name."""
     total = torch.zeros(2, dtype=torch.float64)
     for chunk in chunks:
         for param in chunk.parameters():
             data = param.data.double()
             total += torch.stack([data.sum(), data.square().sum()]).cpu()
+    local = None if math.isfinite(float(total[1])) else _first_nonfinite(_params(chunks))
+    found = agreed_first(local)
+    if found is not None:
+        rank, name = found
+        raise SlimError(
+            f"weight sync: parameter {name} on trainer rank {rank} is not finite; nothing was pushed"
+        )
     return float(total[0]), float(total[1])

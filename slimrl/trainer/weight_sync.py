@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.export import Exporter
-from slimrl.trainer.numerics import check_weights_finite, weights_fingerprint
+from slimrl.trainer.numerics import weights_fingerprint
 from slimrl.utils import faults
 from slimrl.weight_sync import collectives
 from slimrl.weight_sync.engines import Engine, EngineCalls
@@ -76,7 +76,7 @@ def push_weights(
     what it owns of its unit (nothing once its units are done)."""
     assert actor.state is not None
     start = time.perf_counter()
-    check_weights_finite(actor.state.model)  # every rank, before anything is sent
+    fingerprint = weights_fingerprint(actor.state.model)  # every rank, before anything is sent
     target = sync_target(actor, urls, version, sync_dir, EngineCalls(api_key, admin_api_key))
     if target.directory is not None and target.rank == 0:
         target.directory.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def push_weights(
             target.calls.each(pool, target.engines, lambda e: target.calls.post(e.url, "flush_cache"))
     collectives.barrier()
     seconds = time.perf_counter() - start
-    return {"bytes": float(pushed), "seconds": seconds, "fingerprint": weights_fingerprint(actor.state.model)}
+    return {"bytes": float(pushed), "seconds": seconds, "fingerprint": fingerprint}
 
 
 def _end_sessions(target: SyncTarget, pool: ThreadPoolExecutor, quiet: bool = False) -> None:

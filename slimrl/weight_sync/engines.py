@@ -46,28 +46,56 @@ class Engine:
 
 
 @dataclass(frozen=True, slots=True)
+class Reply:
+    """One engine's answer: `ok` is HTTP 200 without `success: false`; `body` parsed JSON or text."""
+
+    url: str
+    status: int
+    body: Any
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not (isinstance(self.body, dict) and self.body.get("success") is False)
+
+    @property
+    def message(self) -> str:
+        """SGLang's message in one line (`message`, or `error.message`, else the whole body)."""
+        return reply_message(self.body)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineCalls:
-    """POSTs to engines with the run's keys and a bound on every wait."""
+    """Calls to engines with the run's keys and a bound on every wait; `who` names the caller in
+    a transport failure (the sync, the update check)."""
 
     api_key: str | None = None
     admin_api_key: str | None = None
     timeout_s: float = 600.0
+    who: str = "weight sync"
 
-    def post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> Any:
+    def call(
+        self, url: str, endpoint: str, body: dict[str, Any] | None = None, *, get: bool = False
+    ) -> Reply:
+        """One bounded request; a refusal is returned (`Reply.ok`), an unreachable engine raises."""
         headers = auth_header(endpoint, self.api_key, self.admin_api_key)
         try:
-            reply = requests.post(
-                f"{url}/{endpoint}", json=body or {}, headers=headers, timeout=self.timeout_s
-            )
+            if get:
+                reply = requests.get(f"{url}/{endpoint}", headers=headers, timeout=self.timeout_s)
+            else:
+                reply = requests.post(
+                    f"{url}/{endpoint}", json=body or {}, headers=headers, timeout=self.timeout_s
+                )
         except requests.RequestException as exc:
-            raise SlimError(f"weight sync: /{endpoint} on {url}: {type(exc).__name__}: {exc}") from None
-        parsed = _parse(reply.text)
-        refused = isinstance(parsed, dict) and parsed.get("success") is False
-        if reply.status_code != 200 or refused:
-            raise SlimError(
-                f"weight sync: /{endpoint} refused by {url}: {_message(reply.status_code, parsed)}"
-            )
-        return parsed
+            raise SlimError(f"{self.who}: /{endpoint} on {url}: {type(exc).__name__}: {exc}") from None
+        return Reply(url, reply.status_code, parse_body(reply.text))
+
+    def post(self, url: str, endpoint: str, body: dict[str, Any] | None = None) -> Any:
+        """`call`, with a refusal raised as one line naming the engine and SGLang's message."""
+        reply = self.call(url, endpoint, body)
+        if not reply.ok:
+            said = reply.message[:400] or "(empty body)"
+            raise SlimError(f"{self.who}: /{endpoint} refused by {url}: HTTP {reply.status}: {said}")
+        return reply.body
 
     def each(
         self, pool: ThreadPoolExecutor, engines: Sequence[Engine], call: Callable[[Engine], Any]
@@ -78,15 +106,18 @@ class EngineCalls:
         self.each(pool, engines, lambda e: self.post(e.url, "begin_weight_update"))
 
 
-def _parse(text: str) -> Any:
+def parse_body(text: str) -> Any:
     try:
         return json.loads(text) if text.strip() else None
     except ValueError:
         return text  # SGLang answers /flush_cache in plain text
 
 
-def _message(status: int, parsed: Any) -> str:
-    if isinstance(parsed, dict):
-        inner = parsed.get("error", parsed)
-        parsed = inner.get("message", inner) if isinstance(inner, dict) else inner
-    return f"HTTP {status}: {' '.join(str(parsed).split())[:400] or '(empty body)'}"
+def reply_message(body: Any) -> str:
+    """An engine's error message in one line, whole (a `compare` failure lists every tensor):
+    SGLang's `{"error": {"message"}}`, `{"error": str}`, `{"message"}` (FastAPI validation, weight
+    updates), `{"detail"}` (FastAPI's 404/405) or plain text."""
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        body = inner.get("message", inner.get("detail", inner)) if isinstance(inner, dict) else inner
+    return " ".join(str(body if body is not None else "").split())

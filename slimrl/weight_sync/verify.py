@@ -25,10 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-
 from slimrl.errors import SlimError
-from slimrl.weight_sync.engines import auth_header
+from slimrl.weight_sync.engines import EngineCalls, Reply
 
 RankChecksums = dict[int, dict[str, str]]
 """TP rank -> {tensor name: checksum} of one engine."""
@@ -38,13 +36,6 @@ _ENTRY = re.compile(r"name=(?P<name>\S+) max_abs_err=(?P<max>\S+) mean_abs_err=(
 
 class UpdateMismatch(SlimError):
     """An engine does not hold the weights the trainer pushed."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    url: str
-    ok: bool
-    body: Any
 
 
 def rank_checksums(body: dict[str, Any]) -> RankChecksums:
@@ -113,29 +104,13 @@ def grouped(lines: list[tuple[str, str]]) -> str:
 class EngineChecks:
     """`/weights_checker` and `/get_model_info` on every engine, in parallel, bounded."""
 
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    timeout_s: float = 600.0
+    calls: EngineCalls
 
-    def _call(self, url: str, endpoint: str, body: dict[str, Any] | None) -> Reply:
-        headers = auth_header(endpoint, self.api_key, self.admin_api_key)
-        try:
-            if body is None:
-                reply = requests.get(f"{url}/{endpoint}", headers=headers, timeout=self.timeout_s)
-            else:
-                reply = requests.post(f"{url}/{endpoint}", json=body, headers=headers, timeout=self.timeout_s)
-        except requests.RequestException as exc:
-            raise SlimError(f"update check: /{endpoint} on {url}: {type(exc).__name__}: {exc}") from None
-        try:
-            parsed = reply.json()
-        except ValueError:
-            parsed = reply.text
-        refused = isinstance(parsed, dict) and parsed.get("success") is False
-        return Reply(url, reply.status_code == 200 and not refused, parsed)
-
-    def each(self, urls: Sequence[str], endpoint: str, body: dict[str, Any] | None = None) -> list[Reply]:
+    def each(
+        self, urls: Sequence[str], endpoint: str, body: dict[str, Any] | None = None, *, get: bool = False
+    ) -> list[Reply]:
         with ThreadPoolExecutor(max(1, min(len(urls), 32))) as pool:
-            return list(pool.map(lambda u: self._call(u, endpoint, body), urls))
+            return list(pool.map(lambda u: self.calls.call(u, endpoint, body, get=get), urls))
 
     def action(self, urls: Sequence[str], action: str, **options: Any) -> list[Reply]:
         """A weight-checker action on every engine; a refusal other than `compare`'s is an error."""
@@ -143,21 +118,13 @@ class EngineChecks:
         for reply in replies:
             if not reply.ok and action != "compare":
                 raise SlimError(
-                    f"update check: /weights_checker {action} refused by {reply.url}: {_text(reply)}"
+                    f"update check: /weights_checker {action} refused by {reply.url}: {reply.message[:300]}"
                 )
         return replies
 
     def versions(self, urls: Sequence[str]) -> dict[str, str | None]:
-        return {r.url: _field(r.body, "weight_version") for r in self.each(urls, "get_model_info")}
+        replies = self.each(urls, "get_model_info", get=True)
+        return {r.url: r.body.get("weight_version") if isinstance(r.body, dict) else None for r in replies}
 
     def checksums(self, urls: Sequence[str]) -> dict[str, RankChecksums]:
         return {r.url: rank_checksums(r.body) for r in self.action(urls, "checksum")}
-
-
-def _field(body: Any, key: str) -> Any:
-    return body.get(key) if isinstance(body, dict) else None
-
-
-def _text(reply: Reply) -> str:
-    message = _field(reply.body, "message") or reply.body
-    return " ".join(str(message).split())[:300]

@@ -41,7 +41,7 @@ def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
 
 def nonfinite(actor: MegatronActor, batch: TrainBatch, result: dict) -> None:
     from slimrl.errors import SlimError
-    from slimrl.trainer.numerics import check_weights_finite
+    from slimrl.trainer.numerics import weights_fingerprint
     from slimrl.utils import faults
 
     os.environ[faults.NONFINITE_GRAD] = "2,4,5"
@@ -62,7 +62,7 @@ def nonfinite(actor: MegatronActor, batch: TrainBatch, result: dict) -> None:
     with torch.no_grad():
         next(actor.state.model[0].parameters()).view(-1)[3] = float("inf")
     try:
-        check_weights_finite(actor.state.model)
+        weights_fingerprint(actor.state.model)
     except SlimError as exc:
         result["push_error"] = str(exc)
 

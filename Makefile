@@ -24,14 +24,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python launch/demo.py
 
+# Two workers (the CI machine's two cores): each test module is one unit of work, the heaviest
+# first (tests/conftest.py); a single worker leaves a quarter of the machine idle while tests wait
+# on servers and processes start.
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q $(XDIST)
 
 # A change's first check: everything but the slow end-to-end tests.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests -q -m "not slow"
+	$(BIN)/python -m pytest tests -q -m "not slow" $(XDIST)
 
 # The real-SGLang tier alone (SGLang 0.5.23's server and code as the referee).
 test-sglang: $(STAMP)

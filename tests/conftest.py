@@ -28,14 +28,33 @@ SGLANG_TIER_MODULES = {
 }  # fmt: skip
 
 
+NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix"}
+"""Modules that create the network-namespace hosts (fixed names): one xdist worker runs them all."""
+
+MODULE_SECONDS = {}
+"""Each module's time in the suite's own run (2 cores, `--durations=0`): under `-n 2` the heaviest
+modules start first, so the two workers end together. A module not listed counts as quick."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the real-SGLang tier (`pytest -m sglang` runs it alone): its modules, and every test
-    parametrised with the `sglang` engine."""
+    parametrised with the `sglang` engine. For `-n 2 --dist loadgroup` (`make test`): each module is
+    one unit of work (its module fixtures start once), the network-host modules one unit together,
+    heaviest first."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        module = _module(item)
         if module in SGLANG_TIER_MODULES or (callspec and "sglang" in callspec.params.values()):
             item.add_marker(pytest.mark.sglang)
+        group = "network_hosts" if module in NETWORK_HOST_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+    first_seen = {module: index for index, module in reversed(list(enumerate(map(_module, items))))}
+    items.sort(key=lambda item: (-MODULE_SECONDS.get(_module(item), 0.0), first_seen[_module(item)]))
+
+
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
 
 
 @pytest.fixture(scope="session")

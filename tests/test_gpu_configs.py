@@ -487,7 +487,8 @@ def test_ray_writers_make_the_same_start_checkpoint(sharded_model, tmp_path):
     from slimrl.weight_sync.fp8 import write_fp8_checkpoint
 
     reference = HFCheckpointReader(_single_process_fp8(sharded_model, tmp_path / "single"))
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env("cpu")})
+    env = {"env_vars": worker_env("cpu")}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=env)
     try:
         slots = create_device_slots(4, use_gpu=False)
         written = write_fp8_checkpoint(sharded_model, tmp_path / "ray", parts=3, map_parts=ray_map(slots, 4))

@@ -213,7 +213,8 @@ def test_ray_leaves_engine_actors_the_node_and_gives_ranks_one_gpu(tmp_path):
 
     config = two_by_eight(colocate=False, engines=2, tp=2, rollout_gpus=4)
     config.cluster.num_nodes = 1
-    ray.init(num_cpus=10, num_gpus=8, include_dashboard=False, runtime_env={"env_vars": worker_env("cuda")})
+    env = {"env_vars": worker_env("cuda")}
+    ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, runtime_env=env)
     try:
         slots = create_device_slots(8, use_gpu=True)
         assert [s.device for s in slots.layout] == list(range(8)) and len({s.node for s in slots.layout}) == 1

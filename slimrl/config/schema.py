@@ -30,7 +30,8 @@ class RunConfig:
 @_section
 class RayConfig:
     address: str | None = None
-    """Existing Ray cluster to join (`auto` or `host:port`); null starts a local Ray on demand."""
+    """Existing Ray cluster to join (`auto` or `host:port`); null starts a new local Ray of the run's
+    own, even where RAY_ADDRESS or an earlier `ray start` on the machine names a cluster."""
     num_cpus: int | None = None
     """Logical CPUs for a local Ray (null: enough for every actor of the run)."""
 

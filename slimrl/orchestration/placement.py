@@ -65,7 +65,11 @@ def start_ray(config: SlimConfig, device: str, slots_needed: int) -> None:
         ray.init(address=config.ray.address, runtime_env=env, log_to_driver=True)
         return
     num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, slots_needed) + 2
+    # address="local": a new Ray of this run's own. Left to its default, ray.init joins whatever
+    # cluster RAY_ADDRESS or the last `ray start` on this machine names (another user's job, a
+    # test's cluster) and then refuses num_cpus.
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         runtime_env=env,

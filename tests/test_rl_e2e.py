@@ -148,6 +148,41 @@ def test_a_rank_stuck_in_a_sync_stops_the_run_with_every_process_s_stacks(tmp_pa
     assert (tmp_path / name / "checkpoints" / "iter_0000001").is_dir()  # resumable from step 1
 
 
+def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
+    steps = 5
+    cmd = command(
+        tmp_path, "resume", tiny_model("qwen3_moe"), mod_sum_data,
+        f"train.num_steps={steps}", "checkpoint.save_interval=2", "logging.tensorboard=false",
+    )  # fmt: skip
+    run_dir = tmp_path / "resume"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 3, proc)
+        engine_pids = [int(p.read_text()) for p in (run_dir / "logs").glob("engine*.pid")]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert not [pid for pid in engine_pids if alive(pid)], "engine servers outlived the run"
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert done and all(not name.startswith(".") for name in done), done  # nothing partial published
+    interrupted = rows(run_dir)
+
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "resumed from" in again.stderr
+    final = rows(run_dir)
+    assert [r["step"] for r in final] == list(range(1, steps + 1))
+    resumed_at = int(again.stderr.split("resumed from", 1)[1].split("(step ", 1)[1].split(")")[0])
+    assert resumed_at in (2, 4) and resumed_at <= len(interrupted)
+    assert final[:resumed_at] == interrupted[:resumed_at]  # the steps before the checkpoint are kept
+    # rollout.save_samples: every rollout's samples once, those redone after the resume included
+    ids = [json.loads(line)["rollout_id"] for line in (run_dir / "rollout_samples.jsonl").open()]
+    assert [ids.count(i) for i in range(steps)] == [16 * 8] * steps and len(ids) == steps * 16 * 8
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in final) < 1e-4  # engines re-synced
+
+
 def test_async_disaggregated_run(tmp_path, tiny_model, mod_sum_data):
     """One training rank, one engine on its own slot, rollout k+1 generated while step k trains.
     `RAY_ADDRESS` names a cluster that is not there: with `ray.address: null` the run starts its

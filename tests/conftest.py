@@ -31,7 +31,42 @@ SGLANG_TIER_MODULES = {
 NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix"}
 """Modules that create the network-namespace hosts (fixed names): one xdist worker runs them all."""
 
-MODULE_SECONDS = {}
+MODULE_SECONDS = {
+    "test_rl_e2e": 730,
+    "test_rl_sglang": 574,
+    "test_convert": 453,
+    "test_slurm_multinode": 381,
+    "test_ppo": 287,
+    "test_transport_matrix": 272,
+    "test_rl_trainer": 242,
+    "test_memory_plan": 148,
+    "test_megatron_layouts": 140,
+    "test_routing_replay": 137,
+    "test_engine_contract": 128,
+    "test_gpu_configs": 108,
+    "test_install": 95,
+    "test_resume": 94,
+    "test_true_on_policy": 82,
+    "test_weight_sync": 72,
+    "test_export": 53,
+    "test_rollout": 46,
+    "test_rollout_cli": 45,
+    "test_fleet": 39,
+    "test_checkpoint_dir": 36,
+    "test_sglang_loaders": 35,
+    "test_launch_plan": 34,
+    "test_engine_plan_sglang": 34,
+    "test_sft_e2e": 33,
+    "test_config": 27,
+    "test_weight_sync_order": 21,
+    "test_ledger": 19,
+    "test_weight_wire": 14,
+    "test_trainer_plumbing": 14,
+    "test_embedded_server": 12,
+    "test_hostile_inputs": 9,
+    "test_weight_sync_hang": 9,
+    "test_sglang_parser": 7,
+}
 """Each module's time in the suite's own run (2 cores, `--durations=0`): under `-n 2` the heaviest
 modules start first, so the two workers end together. A module not listed counts as quick."""
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.utils.tensors import NamedTensors
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 Together = tuple[tuple[str, ...], ...]
 """Sets of dotted name components: tensors whose names differ only in that component, which is one
 of a set's members, form a group (e.g. `("q_a_proj", "kv_a_proj_with_mqa")` pairs

@@ -22,8 +22,7 @@ from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
 from slimrl.megatron_bridge.transforms import megatron_full_to_hf, unshard
 from slimrl.trainer.parallel import ParallelLayout
-
-NamedTensors = list[tuple[str, torch.Tensor]]
+from slimrl.utils.tensors import NamedTensors
 
 
 def _gather(local: LocalTensor, tensor: torch.Tensor, ctx: ShardContext) -> list[torch.Tensor]:

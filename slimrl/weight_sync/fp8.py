@@ -45,10 +45,10 @@ from slimrl.megatron_bridge.hf_io import (
     ShardWriter,
     finalize_index,
 )
+from slimrl.utils.tensors import NamedTensors
 
 __all__ = ["fp8_bucket", "fp8_hf_config", "split_source_files", "write_fp8_checkpoint", "write_fp8_part"]
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 PartWritten = tuple[list[tuple[str, list[str]]], int]
 """What one worker wrote: its shard files (provisional names) with their tensor names, and bytes."""

@@ -32,10 +32,10 @@ from slimrl.devices.ledger import Group, Ledger, Reference
 from slimrl.devices.rules import check_group, check_reference
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.bucketing import Together, bucketed
+from slimrl.utils.tensors import NamedTensors
 from slimrl.weight_sync import collectives, wire
 from slimrl.weight_sync.engines import Engine, EngineCalls
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 Header = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 GROUP_NAME = "slimrl_weight_update"

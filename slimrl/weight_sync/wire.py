@@ -38,8 +38,7 @@ import torch.multiprocessing as torch_mp
 import torch.multiprocessing.reductions
 
 from slimrl.utils.net import bound_tcp_store
-
-NamedTensors = list[tuple[str, torch.Tensor]]
+from slimrl.utils.tensors import NamedTensors
 
 
 def aligned(named: Sequence[tuple[str, torch.Tensor]]) -> NamedTensors:

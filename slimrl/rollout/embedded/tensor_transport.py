@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing.reductions as torch_reductions
 
-NamedTensors = list[tuple[str, torch.Tensor]]
+from slimrl.utils.tensors import NamedTensors
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from slimrl.rollout.embedded.engine import (
-    Engine,
+    EmbeddedEngine,
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
@@ -33,8 +33,8 @@ def moe_path(tiny_model) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(moe_path) -> Iterator[Engine]:
-    with Engine(moe_path, max_running_requests=16) as eng:
+def engine(moe_path) -> Iterator[EmbeddedEngine]:
+    with EmbeddedEngine(moe_path, max_running_requests=16) as eng:
         yield eng
 
 
@@ -59,7 +59,7 @@ def _greedy(model, prompt: list[int], max_new: int, ignore_eos: bool) -> list[in
     return out
 
 
-def _prompts(engine: Engine, n: int) -> list[list[int]]:
+def _prompts(engine: EmbeddedEngine, n: int) -> list[list[int]]:
     texts = ["2+3=", "hello world, ", "The quick brown fox", "x", "1234567890" * 3, "abc " * 7, "Q: ", "yo"]
     return [engine.tokenizer.encode(texts[i % len(texts)] + str(i)) for i in range(n)]
 
@@ -77,7 +77,7 @@ def _greedy_req(prompt: list[int], max_new: int, **kw) -> GenerateRequest:
     )
 
 
-def _wait_steps(engine: Engine, n: int, timeout: float = 30.0) -> None:
+def _wait_steps(engine: EmbeddedEngine, n: int, timeout: float = 30.0) -> None:
     target, deadline = engine.steps + n, time.monotonic() + timeout
     while engine.steps < target:
         assert time.monotonic() < deadline, "the scheduler made no progress"
@@ -110,7 +110,7 @@ def test_continuous_batching_equals_sequential_greedy(engine, reference):
 
 def test_requests_arriving_together_share_one_prefill(moe_path, reference):
     """Left-padded batched prefill: same tokens and logprobs as the reference, one forward for all."""
-    with Engine(moe_path, max_running_requests=32, start=False) as eng:
+    with EmbeddedEngine(moe_path, max_running_requests=32, start=False) as eng:
         prompts = [p[: 3 + i % 7] for i, p in enumerate(_prompts(eng, 12))]
         max_new = [1 if i % 3 == 0 else 5 for i in range(12)]  # some finish at their first token
         futures = [
@@ -138,7 +138,7 @@ def test_sampled_logprobs_are_the_sampling_steps_own(moe_path, reference):
         seen.setdefault(rid, []).append((dist.clone(), token, logprob))
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, sampling_seed=3)
-    with Engine(moe_path, on_sample=observe) as eng:
+    with EmbeddedEngine(moe_path, on_sample=observe) as eng:
         prompts = _prompts(eng, 4)
         futures = [
             eng.submit(GenerateRequest(input_ids=p, sampling=params, rid=f"s{i}", return_logprob=True))
@@ -352,7 +352,7 @@ def test_rescorer_replaces_output_logprobs(moe_path):
         calls.append((tokens, response_length))
         return [-0.5] * response_length
 
-    with Engine(moe_path, rescorer=rescore) as eng:
+    with EmbeddedEngine(moe_path, rescorer=rescore) as eng:
         result = eng.generate(
             GenerateRequest(
                 input_ids=[10, 11, 12],
@@ -365,7 +365,7 @@ def test_rescorer_replaces_output_logprobs(moe_path):
 
 
 def test_weight_update_round_trip_through_fused_experts(moe_path):
-    with Engine(moe_path) as eng:
+    with EmbeddedEngine(moe_path) as eng:
         prompt = eng.tokenizer.encode("weights ")
         before = eng.generate(_greedy_req(prompt, 10, ignore_eos=True)).generated_ids
         original = {k: v.clone() for k, v in eng.model.state_dict().items()}
@@ -400,7 +400,7 @@ def test_tied_embeddings_stay_tied(tiny_model):
     from transformers import AutoModelForCausalLM
 
     base, other = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
-    with Engine(base) as eng:
+    with EmbeddedEngine(base) as eng:
         model = eng.model
         assert model.lm_head.weight is model.model.embed_tokens.weight
         eng.update_weights_from_disk(other, weight_version="2").result(10)

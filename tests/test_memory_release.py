@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from slimrl.compat.sglang_cpu.memory_saver import CpuMemorySaver
-from slimrl.rollout.embedded.engine import Engine, EngineFatal, EngineUnavailable, GenerateRequest
+from slimrl.rollout.embedded.engine import EmbeddedEngine, EngineFatal, EngineUnavailable, GenerateRequest
 from slimrl.rollout.embedded.sampling import SamplingParams
 
 # ---------------------------------------------------------------------- the stand-in
@@ -98,7 +98,7 @@ def moe_path(tiny_model) -> Path:
     return tiny_model("qwen3_moe")
 
 
-def _answer(engine: Engine) -> tuple[list[int], list[float]]:
+def _answer(engine: EmbeddedEngine) -> tuple[list[int], list[float]]:
     request = GenerateRequest(
         input_ids=[5, 6, 7], sampling=SamplingParams(temperature=0.0, max_new_tokens=3), return_logprob=True
     )
@@ -108,7 +108,7 @@ def _answer(engine: Engine) -> tuple[list[int], list[float]]:
 
 def test_released_weights_are_nan_until_loaded_and_the_rescorer_copy_is_lost_too(moe_path) -> None:
     rescorer = Refreshing()
-    with Engine(moe_path, rescorer=rescorer) as engine:
+    with EmbeddedEngine(moe_path, rescorer=rescorer) as engine:
         rescorer.refresh(engine.targets)
         good = _answer(engine)
         buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
@@ -127,7 +127,7 @@ def test_released_weights_are_nan_until_loaded_and_the_rescorer_copy_is_lost_too
 
 def test_the_weights_backup_restores_them_exactly(moe_path) -> None:
     rescorer = Refreshing()
-    with Engine(moe_path, rescorer=rescorer, weights_cpu_backup=True) as engine:
+    with EmbeddedEngine(moe_path, rescorer=rescorer, weights_cpu_backup=True) as engine:
         rescorer.refresh(engine.targets)
         before = [p.clone() for p in engine.model.parameters()]
         good = _answer(engine)
@@ -140,7 +140,7 @@ def test_the_weights_backup_restores_them_exactly(moe_path) -> None:
 
 
 def test_resuming_a_tag_that_is_not_released_stops_the_scheduler(moe_path) -> None:
-    with Engine(moe_path) as engine:
+    with EmbeddedEngine(moe_path) as engine:
         told: list[EngineFatal] = []
         engine.on_fatal = told.append
         engine.release_memory(["kv_cache"]).result(30)

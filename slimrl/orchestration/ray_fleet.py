@@ -1,4 +1,4 @@
-"""The rollout fleet of `slimrl train`, as the driver sees it: one `Engine` per server as a Ray
+"""The rollout fleet of `slimrl train`, as the driver sees it: one `EngineProcess` per server as a Ray
 actor on its node, and the rollout manager actor that holds the `FleetFront` (router, client)
 and runs the rollouts. The parts are `slimrl rollout`'s (`rollout/fleet.py`); what differs is
 where they live, and that an engine can be lost with its node.

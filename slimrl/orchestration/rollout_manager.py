@@ -16,15 +16,15 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import EngineSeat
-from slimrl.rollout.engine import LOCALHOST, Engine
+from slimrl.rollout.engine import LOCALHOST, EngineProcess
 from slimrl.rollout.front import FleetFront
 from slimrl.utils.net import node_address
 
 logger = logging.getLogger(__name__)
 
 
-class EngineActor(Engine):
-    """An `Engine` as a Ray actor on its node: listens on the node's address under a Ray cluster
+class EngineActor(EngineProcess):
+    """An `EngineProcess` as a Ray actor on its node: listens on the node's address under a Ray cluster
     of several hosts, and on GPUs starts at its seat's first GPU.
 
     On GPUs the actor runs with Ray's `CUDA_VISIBLE_DEVICES` switch off (`seat.actor_env`), so its

@@ -18,7 +18,7 @@ from slimrl.utils.net import free_port
 LOCALHOST = "127.0.0.1"
 
 
-class Engine:
+class EngineProcess:
     def __init__(
         self, config: SlimConfig, index: int, log_dir: str | Path, model_path: str | None = None
     ) -> None:

@@ -1,7 +1,7 @@
 """The rollout fleet of `slimrl rollout` (and tests): N engines in this process, their front
 (router and client), and their health.
 
-Its parts are the ones `slimrl train` runs under Ray: each `Engine` there is an actor on its
+Its parts are the ones `slimrl train` runs under Ray: each `EngineProcess` there is an actor on its
 node and the `FleetFront` lives in the rollout manager (`orchestration/ray_fleet.py`); only the
 driver around them differs. The rollout code talks to either only through `FleetClient`.
 
@@ -24,7 +24,7 @@ from typing import TypeVar
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
 from slimrl.rollout.client import FleetClient
-from slimrl.rollout.engine import Engine
+from slimrl.rollout.engine import EngineProcess
 from slimrl.rollout.front import FleetFront
 from slimrl.rollout.router import Router
 from slimrl.rollout.servers import ServerProcess
@@ -38,7 +38,7 @@ class Fleet:
         self.config = config
         self.model_path = str(model_path)
         self.log_dir = Path(log_dir)
-        self.engines: list[Engine] = []
+        self.engines: list[EngineProcess] = []
         self.front: FleetFront | None = None
         self.restarts = 0
 
@@ -69,7 +69,7 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.engines = [
-                Engine(self.config, i, self.log_dir, self.model_path)
+                EngineProcess(self.config, i, self.log_dir, self.model_path)
                 for i in range(self.config.rollout.num_engines)
             ]
             for engine in self.engines:

@@ -23,7 +23,7 @@ from slimrl.megatron_bridge.export import Exporter
 from slimrl.trainer.numerics import weights_fingerprint
 from slimrl.utils import faults
 from slimrl.weight_sync import collectives
-from slimrl.weight_sync.engines import Engine, EngineCalls
+from slimrl.weight_sync.engines import EngineAddress, EngineCalls
 from slimrl.weight_sync.fp8 import fp8_bucket
 from slimrl.weight_sync.transports import SyncTarget, make_transport
 
@@ -50,7 +50,7 @@ def sync_target(
         else torch.device("cpu")
     )
     return SyncTarget(
-        engines=[Engine(url, tp_size) for url in urls], calls=calls, version=version,
+        engines=[EngineAddress(url, tp_size) for url in urls], calls=calls, version=version,
         rank=dist.get_rank(), world_size=dist.get_world_size(), device=device,
         bucket_bytes=rollout.update_weight_buffer_bytes, together=load_together(actor.arch),
         directory=Path(sync_dir) if sync_dir else None, group_address=host, group_port=port,
@@ -117,7 +117,7 @@ def push_weights(
 
 
 def _end_sessions(target: SyncTarget, pool: ThreadPoolExecutor, quiet: bool = False) -> None:
-    def end(engine: Engine) -> None:
+    def end(engine: EngineAddress) -> None:
         try:
             target.calls.post(engine.url, "end_weight_update")
         except SlimError:

@@ -38,7 +38,7 @@ def auth_header(endpoint: str, api_key: str | None, admin_api_key: str | None) -
 
 
 @dataclass(frozen=True, slots=True)
-class Engine:
+class EngineAddress:
     """One rollout server as a weight sync sees it."""
 
     url: str
@@ -98,11 +98,11 @@ class EngineCalls:
         return reply.body
 
     def each(
-        self, pool: ThreadPoolExecutor, engines: Sequence[Engine], call: Callable[[Engine], Any]
+        self, pool: ThreadPoolExecutor, engines: Sequence[EngineAddress], call: Callable[[EngineAddress], Any]
     ) -> list:
         return list(pool.map(call, engines))
 
-    def begin(self, pool: ThreadPoolExecutor, engines: Sequence[Engine]) -> None:
+    def begin(self, pool: ThreadPoolExecutor, engines: Sequence[EngineAddress]) -> None:
         self.each(pool, engines, lambda e: self.post(e.url, "begin_weight_update"))
 
 

@@ -34,7 +34,7 @@ from slimrl.errors import SlimError
 from slimrl.megatron_bridge.bucketing import Together, bucketed
 from slimrl.utils.tensors import NamedTensors
 from slimrl.weight_sync import collectives, wire
-from slimrl.weight_sync.engines import Engine, EngineCalls
+from slimrl.weight_sync.engines import EngineAddress, EngineCalls
 
 Header = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -46,7 +46,7 @@ GROUP_TIMEOUT_S = 120.0
 class SyncTarget:
     """What one weight sync needs to know, the same on every training rank."""
 
-    engines: list[Engine]
+    engines: list[EngineAddress]
     calls: EngineCalls
     version: str
     rank: int
@@ -288,7 +288,7 @@ class DistributedTransport(WeightTransport):
             world += engine.tp_size
         backend = "nccl" if target.device.type == "cuda" else "gloo"
 
-        def join(item: tuple[Engine, int]) -> Any:
+        def join(item: tuple[EngineAddress, int]) -> Any:
             engine, offset = item
             body = {
                 "master_address": target.group_address, "master_port": target.group_port,

@@ -113,7 +113,7 @@ class EngineUnavailable(EngineError):
 
 class EngineFatal(EngineError):
     """The scheduler cannot go on and stops (SGLang's scheduler process dies the same way); the
-    command that hit it fails with this, and `Engine.on_fatal` is told."""
+    command that hit it fails with this, and `EmbeddedEngine.on_fatal` is told."""
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None) -> dict[str, Any]:
@@ -209,7 +209,7 @@ def _expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-class Engine:
+class EmbeddedEngine:
     """Load `model_path` and serve generation requests from a scheduler thread.
 
     Thread-safe API: `submit` / `generate` for requests; `abort`, `pause`, `continue_generation`,
@@ -307,7 +307,7 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> EmbeddedEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -53,10 +53,10 @@ class LiveHFWeights:
 
 
 class MegatronScorer:
-    """Rescorer for `Engine`: (tokens, response length, temperature) -> response-token logprobs."""
+    """Rescorer for `EmbeddedEngine`: (tokens, response length, temperature) -> response-token logprobs."""
 
     wants_temperature = True
-    """`Engine` passes each request's effective temperature (1.0 for greedy)."""
+    """`EmbeddedEngine` passes each request's effective temperature (1.0 for greedy)."""
 
     def __init__(self, model_path: str, seed: int = 0) -> None:
         from slimrl.config import load_config

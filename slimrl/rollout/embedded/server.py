@@ -51,7 +51,7 @@ import slimrl
 from slimrl.rollout.embedded import tensor_transport
 from slimrl.rollout.embedded.engine import (
     PAUSE_MODES,
-    Engine,
+    EmbeddedEngine,
     EngineError,
     EngineFatal,
     GenerateRequest,
@@ -236,10 +236,10 @@ def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
 class EmbeddedServer:
     """The aiohttp application plus the engine it loads in the background."""
 
-    def __init__(self, args: ServerArgs, engine_factory: Callable[[], Engine] | None = None) -> None:
+    def __init__(self, args: ServerArgs, engine_factory: Callable[[], EmbeddedEngine] | None = None) -> None:
         self.args = args
         self._engine_factory = engine_factory or self._make_engine
-        self.engine: Engine | None = None
+        self.engine: EmbeddedEngine | None = None
         self.load_error: str | None = None
         self.fatal_error: str | None = None
         """Why the scheduler stopped (the server exits with it)."""
@@ -254,13 +254,13 @@ class EmbeddedServer:
 
     # ------------------------------------------------------------------ app
 
-    def _make_engine(self) -> Engine:
+    def _make_engine(self) -> EmbeddedEngine:
         rescorer = None
         if self.args.true_on_policy:
             from slimrl.rollout.embedded.megatron_scorer import MegatronScorer
 
             rescorer = MegatronScorer(self.args.model_path, seed=self.args.seed)
-        return Engine(
+        return EmbeddedEngine(
             self.args.model_path,
             max_running_requests=self.args.max_running_requests,
             seed=self.args.seed,
@@ -355,7 +355,7 @@ class EmbeddedServer:
             return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's body
         return await handler(request)
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> EmbeddedEngine:
         if self.engine is None:
             raise HttpError(503, self.load_error or "the model is still loading")
         return self.engine
@@ -381,7 +381,7 @@ class EmbeddedServer:
 
         threading.Thread(target=load, name="slimrl-serve-load", daemon=True).start()
 
-    def _loaded(self, engine: Engine) -> None:
+    def _loaded(self, engine: EmbeddedEngine) -> None:
         if self.stopped.is_set():
             engine.stop()
             return
@@ -614,7 +614,7 @@ class EmbeddedServer:
 
     # ------------------------------------------------------------------ weights
 
-    async def _before_update(self, engine: Engine, body: dict[str, Any]) -> str | None:
+    async def _before_update(self, engine: EmbeddedEngine, body: dict[str, Any]) -> str | None:
         """Common options of the weight-update endpoints; returns the new weight version."""
         if _field(body, "abort_all_requests", bool, False):
             await self._wait(engine.abort(abort_all=True))
@@ -622,7 +622,7 @@ class EmbeddedServer:
         version = body.get("weight_version")
         return None if version is None else str(version)
 
-    async def _after_update(self, engine: Engine, body: dict[str, Any], version: str | None) -> str:
+    async def _after_update(self, engine: EmbeddedEngine, body: dict[str, Any], version: str | None) -> str:
         """SGLang's ending: the flush (default on) fails the call while requests run or wait,
         though the weights were loaded; otherwise the success message."""
         if _field(body, "flush_cache", bool, True) and not await self._wait(engine.is_idle()):

@@ -11,7 +11,6 @@ import difflib
 import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -157,7 +156,3 @@ def save_config(config: SlimConfig, path: str | os.PathLike[str]) -> Path:
         f"# {', '.join(removed)}: not written (secret); pass again to run from this file\n" if removed else ""
     )
     return atomic_write_text(Path(path), header + to_yaml(clean))
-
-
-def as_dict(config: SlimConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]

@@ -249,8 +249,3 @@ def make_tiny(
             f"make-tiny --out {out_dir}: appeared while writing; pass --force to replace"
         ) from None
     return out_dir
-
-
-def parameter_count(model: Any) -> int:
-    """Distinct parameters (tied embeddings counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

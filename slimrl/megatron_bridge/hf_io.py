@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -226,8 +225,3 @@ def finalize_index(out_dir: Path, files: list[tuple[str, list[str]]], total_byte
         weight_map.update(dict.fromkeys(names, final))
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def iter_tensors(reader: HFCheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in reader.names:
-        yield name, reader.get(name)

@@ -97,11 +97,6 @@ def packed_nbytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, tensor in named)
 
 
-def unflatten(buffer: torch.Tensor, metadata: Sequence[Any]) -> NamedTensors:
-    """Views into a flattened bucket (what SGLang's `reconstruct_tensors` returns)."""
-    return [(m.name, buffer[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
-
-
 # --------------------------------------------------------------------------- CPU shared memory
 
 _SHM_LOCK = threading.Lock()

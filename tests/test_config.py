@@ -17,7 +17,7 @@ from slimrl.config.checks import RANGES, check_run_inputs, train_world_size
 from slimrl.config.finalize import finalize
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 from tests.conftest import REPO, run_slimrl
 
 

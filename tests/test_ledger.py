@@ -95,7 +95,7 @@ def _tiny(tiny_model, *extra: str):
 
 def test_ledger_of_a_colocated_cpu_run_on_two_hosts(tiny_model):
     config = _tiny(tiny_model, "parallel.ep=2", "rollout.num_engines=4", "rollout.gpus_per_engine=2")
-    from slimrl.trainer.parallel import ParallelLayout
+    from slimrl.parallel_layout import ParallelLayout
 
     sizes = Sizes(tp=1, pp=1, cp=1, ep=2, etp=1, dp=8)
     assert Sizes.of(ParallelLayout.resolve(config.parallel, 8, None)) == sizes

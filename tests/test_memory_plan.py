@@ -17,6 +17,7 @@ from slimrl.config import load_config
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.megatron_config import padded_vocab_size
 from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer.memory_plan import (
     GIB,
     MemoryPlan,
@@ -25,7 +26,6 @@ from slimrl.trainer.memory_plan import (
     plan,
     total_parameters,
 )
-from slimrl.trainer.parallel import ParallelLayout
 from tests.conftest import REPO, run_slimrl, run_torchrun
 
 WORKER = REPO / "tests" / "dist" / "param_count_worker.py"

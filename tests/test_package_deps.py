@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 _BELOW_DRIVER = {
     "slimrl.errors", "slimrl.sample", "slimrl.sampled", "slimrl.utils", "slimrl.compat", "slimrl.config",
-    "slimrl.data", "slimrl.megatron_bridge", "slimrl.weight_sync", "slimrl.devices",
+    "slimrl.data", "slimrl.megatron_bridge", "slimrl.weight_sync", "slimrl.devices", "slimrl.parallel_layout",
 }  # fmt: skip
 ALLOWED = {
     "slimrl.utils": {"slimrl.errors", "slimrl.utils"},

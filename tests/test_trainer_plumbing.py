@@ -13,8 +13,8 @@ from slimrl.config import load_config
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.megatron_config import BuildOptions, transformer_config_kwargs
 from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer.model import optimizer_config_kwargs
-from slimrl.trainer.parallel import ParallelLayout
 from tests.conftest import REPO, run_torchrun
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")

@@ -439,7 +439,7 @@ def _check_weight_sync(config: SlimConfig) -> None:
 
 def _check_parallel(config: SlimConfig) -> None:
     from slimrl.megatron_bridge.model_arch import read_model_arch
-    from slimrl.trainer.parallel import ParallelLayout
+    from slimrl.parallel_layout import ParallelLayout
 
     device = resolve_device(config)
     if device == "cpu":

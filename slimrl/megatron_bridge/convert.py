@@ -26,8 +26,8 @@ _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "flo
 
 
 def _init(arch: ModelArch, layout_args: LayoutArgs):
+    from slimrl.parallel_layout import ParallelLayout
     from slimrl.trainer.distributed import RankInfo, init_distributed
-    from slimrl.trainer.parallel import ParallelLayout
 
     layout = ParallelLayout.resolve(
         layout_args.parallel_config(arch.num_layers), layout_args.world_size, arch

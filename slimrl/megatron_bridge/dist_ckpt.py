@@ -19,7 +19,7 @@ from typing import Any
 
 from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.naming import LocalTensor, local_layer
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 
 MODEL_META = "slimrl_model.json"
 FILE_BYTES = 64 * 1024**2

@@ -21,7 +21,7 @@ from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
 from slimrl.megatron_bridge.transforms import megatron_full_to_hf, unshard
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 from slimrl.utils.tensors import NamedTensors
 
 

@@ -22,7 +22,7 @@ from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
 from slimrl.megatron_bridge.rules import RuleSet
 from slimrl.megatron_bridge.transforms import hf_to_megatron_full, shard
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 
 
 class HFSource(Protocol):

@@ -9,7 +9,7 @@ import torch
 
 from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.model_arch import ModelArch
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True, kw_only=True)

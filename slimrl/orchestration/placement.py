@@ -156,7 +156,7 @@ def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
     from slimrl.devices.rank_groups import Sizes
     from slimrl.devices.rules import check_ledger
     from slimrl.megatron_bridge.model_arch import read_model_arch
-    from slimrl.trainer.parallel import ParallelLayout
+    from slimrl.parallel_layout import ParallelLayout
 
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
     layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)

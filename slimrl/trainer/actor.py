@@ -22,6 +22,7 @@ from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
+from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer import losses
 from slimrl.trainer.batch import (
     MicroBatch,
@@ -37,7 +38,6 @@ from slimrl.trainer.distributed import RankInfo, check_groups_against_ledger, in
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
 from slimrl.trainer.numerics import NumericsGuard, grad_buffers
 from slimrl.trainer.offload import Offloader
-from slimrl.trainer.parallel import ParallelLayout
 from slimrl.trainer.weight_store import WeightStore
 from slimrl.utils import faults
 

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from slimrl.config.schema import SlimConfig
     from slimrl.megatron_bridge.megatron_config import BuildOptions
     from slimrl.megatron_bridge.model_arch import ModelArch
+    from slimrl.parallel_layout import ParallelLayout
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.batch import MicroBatch, TrainBatch
-    from slimrl.trainer.parallel import ParallelLayout
 
 OLD_VALUES, RETURNS, TOKEN_REWARDS = "old_values", "returns", "token_rewards"
 """Per-token keys of a PPO batch: values before the update, GAE returns, rewards per token."""

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from slimrl.devices.ledger import Ledger
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 from slimrl.utils.net import bound_tcp_store
 
 

@@ -25,7 +25,7 @@ from slimrl.config.checks import resolve_device, train_world_size
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 
 GIB = 1024**3
 

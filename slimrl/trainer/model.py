@@ -18,7 +18,7 @@ from slimrl.megatron_bridge.megatron_config import (
     transformer_config,
 )
 from slimrl.megatron_bridge.model_arch import ModelArch
-from slimrl.trainer.parallel import ParallelLayout
+from slimrl.parallel_layout import ParallelLayout
 
 
 def build_options(config: SlimConfig, use_cuda: bool) -> BuildOptions:

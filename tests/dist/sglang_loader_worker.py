@@ -57,7 +57,7 @@ def export_all(spec: dict[str, Any]) -> dict[str, dict[str, Export]]:
     from slimrl.megatron_bridge.model_arch import read_model_arch
     from slimrl.trainer.distributed import RankInfo, init_distributed
     from slimrl.trainer.model import build_gpt_chunks, build_options
-    from slimrl.trainer.parallel import ParallelLayout
+    from slimrl.parallel_layout import ParallelLayout
 
     info = RankInfo.from_env()
     out: dict[str, dict[str, Export]] = {}

@@ -63,9 +63,9 @@ class MegatronScorer:
         from slimrl.megatron_bridge.hf_io import HFCheckpointReader
         from slimrl.megatron_bridge.loading import load_hf_into_megatron
         from slimrl.megatron_bridge.model_arch import read_model_arch
+        from slimrl.parallel_layout import ParallelLayout
         from slimrl.trainer.distributed import RankInfo, init_distributed
         from slimrl.trainer.model import build_gpt_chunks, build_options
-        from slimrl.trainer.parallel import ParallelLayout
 
         # The trainer's configuration in true_on_policy mode (defaults elsewhere): the same
         # `build_options` decides dtype, spec, dispatcher and deterministic mode.

@@ -31,10 +31,10 @@ def main() -> None:
     from slimrl.utils.net import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.megatron_bridge.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.export import export_hf_buckets
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
-    from slimrl.megatron_bridge.model_arch import read_model_arch
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(Path(tmp) / "hf", args.size_gb)

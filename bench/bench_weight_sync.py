@@ -140,9 +140,9 @@ def push_seconds(actor: Any, kind: str, scratch: Path, bucket: int, repeats: int
 
 def load_actor(scratch: Path, size_gb: float, dtype: torch.dtype) -> Any:
     """The synthetic checkpoint in Megatron-Core, wrapped as much of an actor as a push reads."""
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.megatron_bridge.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
-    from slimrl.megatron_bridge.model_arch import read_model_arch
 
     stored_gb = size_gb * 2 / dtype.itemsize  # the checkpoint on disk is bf16
     hf = write_checkpoint(scratch / "hf", stored_gb)

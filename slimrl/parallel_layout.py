@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from slimrl.config.schema import ParallelConfig
 from slimrl.errors import ConfigError
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 
 
 @dataclass(frozen=True, kw_only=True)

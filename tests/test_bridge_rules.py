@@ -7,8 +7,7 @@ import torch
 from safetensors import safe_open
 
 from slimrl.data.tiny_models import TINY_ARCHS
-from slimrl.megatron_bridge.archs import ARCH_SPECS
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import ARCH_SPECS, read_model_arch
 from slimrl.megatron_bridge.naming import canonical_name
 from slimrl.megatron_bridge.transforms import hf_to_megatron_full, megatron_full_to_hf, shard, unshard
 

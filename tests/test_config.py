@@ -98,7 +98,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_layout_resolution(moe):
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
 
     def resolve(*extra):
         config = load_config(None, _base(moe, "parallel.tp=2", "parallel.ep=2", *extra))

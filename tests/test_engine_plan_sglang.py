@@ -102,7 +102,7 @@ def test_widths_and_kv_per_token_are_sglangs_own(path, variant, sglang_parser, m
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
     from sglang.srt.runtime_context import parallel_widths_of
 
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
 
     monkeypatch.chdir(REPO)
     config = load_config(path, VARIANTS[variant])

@@ -308,8 +308,8 @@ def test_engine_tensors_at_tp1_are_the_checkpoint_and_its_fp8_copy(
 ):
     """At tp 1 an engine holds every checkpoint tensor (vocab rows padded to 64), and with FP8 the
     bytes of `weight_sync/fp8.py`'s start checkpoint: the plan counts what the format writes."""
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.megatron_bridge.hf_io import HFCheckpointReader
-    from slimrl.megatron_bridge.model_arch import read_model_arch
     from slimrl.trainer.engine_plan import EngineTensor, EngineWidths, hf_tensors, tensor_bytes
     from slimrl.weight_sync.fp8 import write_fp8_checkpoint
 

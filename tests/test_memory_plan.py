@@ -15,8 +15,8 @@ import pytest
 
 from slimrl.config import load_config
 from slimrl.errors import ConfigError
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.megatron_config import padded_vocab_size
-from slimrl.megatron_bridge.model_arch import read_model_arch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer.memory_plan import (
     GIB,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.orchestration.sample_log import write_samples
 from slimrl.rollout.generate import apply_response
 from slimrl.rollout.routing import RoutingLayout, routing_dtype, routing_request

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.sample import Sample
 from slimrl.trainer.batch import TrainBatch, collate, collate_packed

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from slimrl.megatron_bridge.archs import arch_from_hf_config
 from slimrl.megatron_bridge.bucketing import Together, bucketed, load_together
-from slimrl.megatron_bridge.model_arch import arch_from_hf_config
 from tests.conftest import REPO, run_torchrun
 
 WORKER = REPO / "tests" / "dist" / "sglang_loader_worker.py"

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from slimrl.data.tiny_models import TINY_ARCHS, make_tiny, padded_vocab_size
 from slimrl.data.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # none of the imports above loads huggingface_hub
 

@@ -121,7 +121,7 @@ def test_cli_unknown_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_cli_make_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
 
     out = tmp_path / "tiny"
     argv = ["make-tiny", "--arch", "qwen3_moe", "--out", str(out), "--set", "num_experts=3"]

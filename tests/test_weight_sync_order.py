@@ -15,7 +15,7 @@ from slimrl.config import load_config
 from slimrl.devices.launch_plan import simulated_layout
 from slimrl.devices.ledger import build_ledger
 from slimrl.devices.rank_groups import Sizes
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer.memory_plan import pipeline_chunks
 from tests.conftest import REPO

@@ -13,7 +13,7 @@ from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from slimrl.megatron_bridge.model_arch import ModelArch
+    from slimrl.model_arch import ModelArch
 
 CHOICES: dict[str, tuple[object, ...]] = {
     "cluster.device": ("auto", "cuda", "cpu"),
@@ -438,7 +438,7 @@ def _check_weight_sync(config: SlimConfig) -> None:
 
 
 def _check_parallel(config: SlimConfig) -> None:
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.parallel_layout import ParallelLayout
 
     device = resolve_device(config)

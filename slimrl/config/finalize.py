@@ -33,7 +33,7 @@ def rl_batch_size(config: SlimConfig) -> int:
 
 def finalize(config: SlimConfig) -> SlimConfig:
     """A copy of a checked config with every derived value filled in (idempotent)."""
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.parallel_layout import ParallelLayout
 
     out = copy.deepcopy(config)

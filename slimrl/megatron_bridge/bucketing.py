@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 from slimrl.utils.tensors import NamedTensors
 
 Together = tuple[tuple[str, ...], ...]

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from slimrl.megatron_bridge.archs import arch_from_hf_config
 from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
 from slimrl.megatron_bridge.layout_args import LayoutArgs
-from slimrl.megatron_bridge.model_arch import ModelArch, arch_from_hf_config, read_hf_config
+from slimrl.model_arch import ModelArch, read_hf_config
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,10 +18,10 @@ import torch
 
 from slimrl.megatron_bridge.archs import ARCH_SPECS
 from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
-from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
 from slimrl.megatron_bridge.rules import RuleSet
 from slimrl.megatron_bridge.transforms import hf_to_megatron_full, shard
+from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 
 

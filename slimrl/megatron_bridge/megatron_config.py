@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from slimrl.megatron_bridge.hf_io import BridgeError
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from slimrl.megatron_bridge.model_arch import ModelArch
 from slimrl.megatron_bridge.rules import Kind
+from slimrl.model_arch import ModelArch
 
 
 def _rope_rows(kind: Kind, rows: int, arch: ModelArch, to_megatron: bool) -> torch.Tensor:

@@ -157,7 +157,7 @@ def render(config: SlimConfig) -> str:
 
 def config_ledger(config: SlimConfig) -> Ledger:
     """The device ledger of the config's own layout (nodes `node0..`, stand-in GPU UUIDs)."""
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.parallel_layout import ParallelLayout
 
     device = resolve_device(config)

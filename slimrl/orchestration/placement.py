@@ -155,7 +155,7 @@ def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
     from slimrl.devices.ledger import build_ledger
     from slimrl.devices.rank_groups import Sizes
     from slimrl.devices.rules import check_ledger
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.parallel_layout import ParallelLayout
 
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)

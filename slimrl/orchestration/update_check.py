@@ -23,7 +23,7 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.weight_sync.engines import EngineCalls
 from slimrl.weight_sync.verify import (
     EngineChecks,

@@ -24,7 +24,7 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.data.sft import render_prompt
-from slimrl.megatron_bridge.model_arch import read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.routing import RoutingLayout, append_routing, routing_request
 from slimrl.sample import Sample, Status

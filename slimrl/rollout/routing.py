@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 from slimrl.sample import Sample, invalid_expert_id
 
 

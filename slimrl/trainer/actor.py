@@ -20,8 +20,9 @@ from slimrl.config.checks import train_world_size
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
-from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
+from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer import losses
 from slimrl.trainer.batch import (

@@ -29,7 +29,7 @@ from slimrl.trainer.rl import last_pipeline_stage, megatron_scaled
 if TYPE_CHECKING:
     from slimrl.config.schema import SlimConfig
     from slimrl.megatron_bridge.megatron_config import BuildOptions
-    from slimrl.megatron_bridge.model_arch import ModelArch
+    from slimrl.model_arch import ModelArch
     from slimrl.parallel_layout import ParallelLayout
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.batch import MicroBatch, TrainBatch

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.fp8_names import is_quantized_name
-from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
+from slimrl.model_arch import ModelArch
 
 GIB = 1024**3
 MIB = 1024**2

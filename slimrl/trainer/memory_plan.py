@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from slimrl.config.checks import resolve_device, train_world_size
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
-from slimrl.megatron_bridge.model_arch import ModelArch, read_model_arch
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 
 GIB = 1024**3

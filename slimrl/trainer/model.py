@@ -17,7 +17,7 @@ from slimrl.megatron_bridge.megatron_config import (
     padded_vocab_size,
     transformer_config,
 )
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 
 

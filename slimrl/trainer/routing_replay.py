@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from slimrl.errors import SlimError
-from slimrl.megatron_bridge.model_arch import ModelArch
+from slimrl.model_arch import ModelArch
 from slimrl.sample import invalid_expert_id
 from slimrl.trainer.batch import MicroBatch, TrainBatch
 

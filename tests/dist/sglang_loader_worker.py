@@ -54,7 +54,7 @@ def export_all(spec: dict[str, Any]) -> dict[str, dict[str, Export]]:
     from slimrl.config import load_config
     from slimrl.megatron_bridge.export import export_hf_buckets
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
-    from slimrl.megatron_bridge.model_arch import read_model_arch
+    from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.trainer.distributed import RankInfo, init_distributed
     from slimrl.trainer.model import build_gpt_chunks, build_options
     from slimrl.parallel_layout import ParallelLayout

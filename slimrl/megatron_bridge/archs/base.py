@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from slimrl.megatron_bridge.model_arch import MLADims, ModelArch, rope_scaling_of, rope_theta_of
 from slimrl.megatron_bridge.rules import RuleSet, WeightRule
+from slimrl.model_arch import MLADims, ModelArch, rope_scaling_of, rope_theta_of
 
 LayerRule = Callable[[dict[str, Any], int], bool]
 

@@ -60,9 +60,9 @@ class MegatronScorer:
 
     def __init__(self, model_path: str, seed: int = 0) -> None:
         from slimrl.config import load_config
+        from slimrl.megatron_bridge.archs import read_model_arch
         from slimrl.megatron_bridge.hf_io import HFCheckpointReader
         from slimrl.megatron_bridge.loading import load_hf_into_megatron
-        from slimrl.megatron_bridge.model_arch import read_model_arch
         from slimrl.parallel_layout import ParallelLayout
         from slimrl.trainer.distributed import RankInfo, init_distributed
         from slimrl.trainer.model import build_gpt_chunks, build_options

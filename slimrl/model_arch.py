@@ -89,23 +89,3 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
-def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
-    from slimrl.megatron_bridge.archs import ARCH_SPECS
-
-    model_type = cfg.get("model_type")
-    spec = ARCH_SPECS.get(str(model_type))
-    if spec is None:
-        valid = ", ".join(sorted(ARCH_SPECS))
-        raise ConfigError(f"{source}: unsupported model_type `{model_type}` (supported: {valid})")
-    try:
-        return spec.read_arch(cfg)
-    except KeyError as exc:
-        raise ConfigError(f"{source}: missing key {exc} for model_type `{model_type}`") from None
-
-
-def read_model_arch(hf_dir: str | Path, overrides: dict[str, Any] | None = None) -> ModelArch:
-    """Read config.json of an HF checkpoint (with `model.overrides` applied)."""
-    cfg = {**read_hf_config(hf_dir), **(overrides or {})}
-    return arch_from_hf_config(cfg, str(Path(hf_dir) / "config.json"))

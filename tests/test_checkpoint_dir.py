@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from slimrl import checkpoint_dir as ckpt
 from slimrl.errors import ConfigError
-from slimrl.trainer import checkpoint as ckpt
 from tests.conftest import REPO
 
 FILES = 12  # shards per fake checkpoint

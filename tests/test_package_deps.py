@@ -20,6 +20,7 @@ FLOORS = [
     {"errors"},
     {"utils", "compat", "model_arch", "sample", "sampled"},
     {"config"},
+    {"checkpoint_dir"},
     {"parallel_layout"},
     {"devices"},
     {"megatron_bridge"},

@@ -47,6 +47,7 @@ def run_training(config: SlimConfig) -> Path:
     """Run the whole job and return its run directory."""
     import ray
 
+    from slimrl import checkpoint_dir
     from slimrl.orchestration.placement import (
         TRAIN_SHARE_COLOCATED,
         create_device_slots,
@@ -54,15 +55,13 @@ def run_training(config: SlimConfig) -> Path:
         start_ray,
     )
     from slimrl.orchestration.trainer_group import TrainerGroup
-    from slimrl.trainer import checkpoint
 
     setup_logging(config.logging.level)
     check_run_inputs(config)  # everything else was checked when the config loaded
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: Ray and servers stop
     run_path = Path(config.run.runs_dir) / config.run.name
-    checkpoint.prepare_start(
-        checkpoint.checkpoint_root(config, run_path), config.checkpoint.resume, config.checkpoint.overwrite
-    )
+    root = checkpoint_dir.checkpoint_root(config, run_path)
+    checkpoint_dir.prepare_start(root, config.checkpoint.resume, config.checkpoint.overwrite)
     run_dir, config = prepare_run_dir(config)
     device = resolve_device(config)
     world = train_world_size(config)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint
 from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
@@ -30,7 +31,6 @@ from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
-from slimrl.trainer.checkpoint import checkpoint_root, latest_checkpoint
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
 
@@ -173,7 +173,7 @@ class RLRun:
     def resume(self) -> int:
         import ray
 
-        from slimrl.trainer.checkpoint import read_driver_state
+        from slimrl.checkpoint_dir import read_driver_state
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
         if latest is None:

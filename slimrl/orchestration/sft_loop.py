@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from slimrl.checkpoint_dir import checkpoint_root
 from slimrl.config.finalize import sft_batch_size
 from slimrl.config.schema import SlimConfig
 from slimrl.data.prompts import EpochSampler, drop_long_prompts, load_prompts
@@ -14,7 +15,6 @@ from slimrl.data.sft import sft_sample
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
-from slimrl.trainer.checkpoint import checkpoint_root
 from slimrl.utils.hang import Hung, with_stacks
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def should_save(config: SlimConfig, step: int) -> bool:
 
 def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: EpochSampler) -> int:
     """Load the latest complete checkpoint (if resuming); returns the step it was taken at."""
-    from slimrl.trainer.checkpoint import latest_checkpoint, read_driver_state
+    from slimrl.checkpoint_dir import latest_checkpoint, read_driver_state
 
     latest = latest_checkpoint(root) if config.checkpoint.resume else None
     if latest is None:

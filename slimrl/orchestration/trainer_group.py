@@ -129,7 +129,7 @@ class TrainerGroup:
 
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
         """All ranks write into a fresh temporary directory; then it is published atomically."""
-        from slimrl.trainer.checkpoint import new_tmp_dir, publish
+        from slimrl.checkpoint_dir import new_tmp_dir, publish
 
         tmp = new_tmp_dir(root, step)
         try:

@@ -41,8 +41,8 @@ def _plan(args: argparse.Namespace) -> None:
     """Print the per-GPU memory plans of the trainer and of one rollout engine; a layout that cannot
     fit exits 2 with one line on stderr (an engine that does not fit is refused at load)."""
     from slimrl.config import load_config
-    from slimrl.trainer.engine_plan import check_config_engines, plan_engine
-    from slimrl.trainer.memory_plan import check_fits, plan
+    from slimrl.planning.engine_plan import check_config_engines, plan_engine
+    from slimrl.planning.memory_plan import check_fits, plan
 
     config = load_config(args.config, args.overrides)
     memory = plan(config, device=args.device)

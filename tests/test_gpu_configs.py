@@ -227,7 +227,7 @@ def _printed(stdout: str, term: str) -> float:
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_gpu_config_engine_fits_by_the_plan(path, monkeypatch):
-    from slimrl.trainer.engine_plan import plan_engine
+    from slimrl.planning.engine_plan import plan_engine
 
     monkeypatch.chdir(REPO)
     weights, kv_per_token, reserve_mib, gpu_gib = ENGINES[path.stem]
@@ -310,7 +310,7 @@ def test_engine_tensors_at_tp1_are_the_checkpoint_and_its_fp8_copy(
     bytes of `weight_sync/fp8.py`'s start checkpoint: the plan counts what the format writes."""
     from slimrl.megatron_bridge.archs import read_model_arch
     from slimrl.megatron_bridge.hf_io import HFCheckpointReader
-    from slimrl.trainer.engine_plan import EngineTensor, EngineWidths, hf_tensors, tensor_bytes
+    from slimrl.planning.engine_plan import EngineTensor, EngineWidths, hf_tensors, tensor_bytes
     from slimrl.weight_sync.fp8 import write_fp8_checkpoint
 
     source = tiny_model(arch_name, **overrides)

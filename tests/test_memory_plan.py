@@ -1,6 +1,6 @@
 """The memory planner: exact against real Megatron-Core models, and the shipped big-model layouts.
 
-`slimrl.trainer.memory_plan` claims parameter counts, parameter/grad-buffer bytes that are exact
+`slimrl.planning.memory_plan` claims parameter counts, parameter/grad-buffer bytes that are exact
 and an optimizer-state upper bound within a few percent; the slow tests build the tiny models
 under several layouts on CPU (`tests/dist/param_count_worker.py`) and hold it to that. The fast
 tests plan the three big GPU configs (config.json only) and check the refusals.
@@ -18,7 +18,7 @@ from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.megatron_config import padded_vocab_size
 from slimrl.parallel_layout import ParallelLayout
-from slimrl.trainer.memory_plan import (
+from slimrl.planning.memory_plan import (
     GIB,
     MemoryPlan,
     check_fits,

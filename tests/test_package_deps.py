@@ -24,7 +24,7 @@ FLOORS = [
     {"parallel_layout"},
     {"devices"},
     {"megatron_bridge"},
-    {"data", "weight_sync"},
+    {"data", "weight_sync", "planning"},
     {"trainer"},
     {"rollout"},
     {"orchestration"},
@@ -34,7 +34,7 @@ FLOORS = [
 KNOWN_BACK_EDGES = {
     # move 1: the gate (loading, checks, finalisation) leaves `config/` for a package on top
     ("config", "data"), ("config", "devices"), ("config", "megatron_bridge"), ("config", "parallel_layout"),
-    ("config", "rollout"), ("config", "trainer"),
+    ("config", "rollout"), ("config", "planning"),
     # move 1/3: the conversion's verify forward runs a training rank's model
     ("megatron_bridge", "trainer"),
 }  # fmt: skip

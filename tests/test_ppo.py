@@ -110,7 +110,7 @@ def test_ppo_config_loads(tiny_model, mod_sum_data):
 def test_memory_plan_counts_the_critic(monkeypatch):
     """`slimrl plan` with PPO: a second model's parameters, gradients and optimizer state on every
     rank; activations are not added (the critic's pass ends before the policy's)."""
-    from slimrl.trainer.memory_plan import plan
+    from slimrl.planning.memory_plan import plan
 
     monkeypatch.chdir(REPO)  # the shipped config names configs/models/... relative to the root
     path = REPO / "configs" / "qwen3_30b_a3b_8gpu.yaml"

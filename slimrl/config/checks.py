@@ -410,11 +410,11 @@ def engines_planned(config: SlimConfig) -> bool:
 
 def _check_engine_memory(config: SlimConfig) -> None:
     """Every engine's weights, one full sequence's KV cache and SGLang's CUDA-graph reserve fit one
-    GPU (`trainer/engine_plan.py`): an engine that does not fit dies while loading, after the start
+    GPU (`planning/engine_plan.py`): an engine that does not fit dies while loading, after the start
     checkpoint was written, not here. CPU engines have no such budget."""
     if not engines_planned(config):
         return
-    from slimrl.trainer.engine_plan import check_config_engines
+    from slimrl.planning.engine_plan import check_config_engines
 
     check_config_engines(config)
 

@@ -1,7 +1,7 @@
 """Which HF tensors an FP8 rollout serves as block-FP8, by name alone (no torch).
 
 `fp8.should_quantize` applies these patterns to tensors (2-D floating-point ones only); the engine
-memory plan (`slimrl/trainer/engine_plan.py`) applies them to the tensors it counts, so both agree
+memory plan (`slimrl/planning/engine_plan.py`) applies them to the tensors it counts, so both agree
 on what an FP8 engine holds without importing torch at config load.
 """
 

@@ -1,5 +1,5 @@
 """torchrun worker: build one rank's model, DDP buffers and optimizer, take one step, and report
-what they really hold, for comparison with `slimrl.trainer.memory_plan`.
+what they really hold, for comparison with `slimrl.planning.memory_plan`.
 
 Usage: torchrun --nproc-per-node N tests/dist/param_count_worker.py OUT_DIR key=value ...
 Each rank writes OUT_DIR/rank<k>.json: its coordinates, parameter elements, DDP grad-buffer bytes

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from slimrl.config import load_config, save_config
-from slimrl.config.checks import RANGES, check_run_inputs, train_world_size
+from slimrl.config.checks import RANGES, check_run_inputs
 from slimrl.config.finalize import finalize
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
@@ -102,7 +102,7 @@ def test_layout_resolution(moe):
 
     def resolve(*extra):
         config = load_config(None, _base(moe, "parallel.tp=2", "parallel.ep=2", *extra))
-        return ParallelLayout.resolve(config.parallel, train_world_size(config), read_model_arch(moe))
+        return ParallelLayout.resolve(config.parallel, config.train_world_size(), read_model_arch(moe))
 
     layout = resolve()
     assert (layout.tp, layout.dp, layout.ep, layout.etp, layout.expert_dp) == (2, 2, 2, 2, 1)

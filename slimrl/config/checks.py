@@ -1,5 +1,6 @@
 """Checks that span sections. They only check; derived values come from `finalize` helpers
-(`resolve_device`, `train_world_size`, `ParallelLayout.resolve`), never from mutating the config."""
+(`resolve_device`, `SlimConfig.train_world_size`, `ParallelLayout.resolve`), never from mutating
+the config."""
 
 from __future__ import annotations
 
@@ -195,24 +196,6 @@ def resolve_device(config: SlimConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train_world_size(config: SlimConfig) -> int:
-    """Training ranks: every device when colocated, else all but the rollout devices."""
-    total = config.cluster.num_nodes * config.cluster.gpus_per_node
-    return total if config.cluster.colocate else total - config.cluster.rollout_gpus
-
-
-def engine_first_slot(config: SlimConfig) -> int:
-    """Slot (in (node, device) order) of engine 0: the engines share the trainer's slots when
-    colocated, else they take the ones after the training ranks."""
-    return 0 if config.cluster.colocate else train_world_size(config)
-
-
-def default_base_gpu_id(config: SlimConfig, index: int) -> int:
-    """Engine `index`'s first GPU on a node laid out as the config says (devices 0..G-1)."""
-    slot = engine_first_slot(config) + index * config.rollout.gpus_per_engine
-    return slot % max(config.cluster.gpus_per_node, 1)
-
-
 def weight_transport(config: SlimConfig) -> str:
     """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
 
@@ -376,7 +359,7 @@ def _check_cluster(config: SlimConfig) -> None:
 def _check_engine_nodes(config: SlimConfig) -> None:
     """An engine's devices must be on one node: SGLang addresses them as base id + TP rank."""
     per_node, per_engine = config.cluster.gpus_per_node, config.rollout.gpus_per_engine
-    first = engine_first_slot(config)
+    first = config.engine_first_slot()
     for index in range(config.rollout.num_engines):
         start = first + index * per_engine
         if start // per_node != (start + per_engine - 1) // per_node:
@@ -455,7 +438,7 @@ def _check_parallel(config: SlimConfig) -> None:
         if config.parallel.moe_token_dispatcher == "flex":
             raise ConfigError("parallel.moe_token_dispatcher=flex: DeepEP needs GPUs; use alltoall on CPU")
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)
     for section in ("rollout.sampling", "eval.sampling"):
         for token in _get(config, f"{section}.stop_token_ids"):  # type: ignore[union-attr]
             if token >= arch.vocab_size:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from slimrl.config.checks import resolve_device, train_world_size, weight_transport
+from slimrl.config.checks import resolve_device, weight_transport
 from slimrl.config.schema import SlimConfig
 
 DEFAULT_SFT_BATCH = 32
@@ -44,7 +44,7 @@ def finalize(config: SlimConfig) -> SlimConfig:
         out.model.dtype = "bf16" if device == "cuda" else "fp32"
 
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)
     out.parallel.dp, out.parallel.etp = layout.dp, layout.etp
     out.parallel.sequence_parallel = layout.sequence_parallel
 

@@ -502,3 +502,20 @@ class SlimConfig:
     """Progress lines, log level, TensorBoard."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation during RL."""
+
+    # Derived from the config alone, so every floor may ask (the gate's derivations that need the
+    # machine or the model, such as the device and the weight transport, are `finalize`'s).
+    def train_world_size(self) -> int:
+        """Training ranks: every device when colocated, else all but the rollout devices."""
+        total = self.cluster.num_nodes * self.cluster.gpus_per_node
+        return total if self.cluster.colocate else total - self.cluster.rollout_gpus
+
+    def engine_first_slot(self) -> int:
+        """Slot (in (node, device) order) of engine 0: the engines share the trainer's slots when
+        colocated, else they take the ones after the training ranks."""
+        return 0 if self.cluster.colocate else self.train_world_size()
+
+    def base_gpu_id(self, index: int) -> int:
+        """Engine `index`'s first GPU on a node laid out as the config says (devices 0..G-1)."""
+        slot = self.engine_first_slot() + index * self.rollout.gpus_per_engine
+        return slot % max(self.cluster.gpus_per_node, 1)

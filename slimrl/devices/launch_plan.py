@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from slimrl.config.checks import engine_first_slot, train_world_size
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
 
@@ -87,7 +86,7 @@ def order_slots(locations: Sequence[tuple[str, int]], use_gpu: bool) -> tuple[li
 def trainer_seats(config: SlimConfig, layout: Sequence[Slot], device: str) -> list[TrainerSeat]:
     """Rank r on slot r; on GPUs Ray makes that slot's GPU the only one it sees."""
     seats = []
-    for rank in range(train_world_size(config)):
+    for rank in range(config.train_world_size()):
         slot = layout[rank]
         visible = str(slot.device) if device == "cuda" else None
         seats.append(TrainerSeat(rank, rank, slot.node, slot.device, visible))
@@ -103,7 +102,7 @@ def engine_seats(config: SlimConfig, layout: Sequence[Slot], device: str) -> lis
     """Engine i takes `gpus_per_engine` consecutive slots from `engine_first_slot`; they must be
     on one node (the config checks refuse layouts where they would not be)."""
     per_engine = config.rollout.gpus_per_engine
-    first = engine_first_slot(config)
+    first = config.engine_first_slot()
     seats = []
     for index in range(config.rollout.num_engines):
         slots = tuple(range(first + index * per_engine, first + (index + 1) * per_engine))

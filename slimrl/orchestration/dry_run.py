@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from slimrl.config.checks import engine_first_slot, resolve_device, train_world_size, weight_transport
+from slimrl.config.checks import resolve_device, weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import (
     EngineSeat,
@@ -145,7 +145,7 @@ def render(config: SlimConfig) -> str:
     lines += [
         _transport_line(config, device),
         f"engines: {rollout.num_engines} x {rollout.gpus_per_engine} {unit} ({rollout.engine}), "
-        f"from slot {engine_first_slot(config)}; ports are picked when they start (shown from {PLAN_PORT})",
+        f"from slot {config.engine_first_slot()}; ports are picked when they start (shown from {PLAN_PORT})",
     ]
     if device == "cuda" and rollout.engine == "sglang":
         lines.append("  engine actors see all GPUs of their node; --base-gpu-id picks their first")
@@ -162,7 +162,7 @@ def config_ledger(config: SlimConfig) -> Ledger:
 
     device = resolve_device(config)
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)
     transport = weight_transport(config) if config.algorithm.loss == "policy" else None
     return build_ledger(config, simulated_layout(config), device, Sizes.of(layout), transport)
 

@@ -7,7 +7,7 @@ import secrets
 import signal
 from pathlib import Path
 
-from slimrl.config.checks import check_run_inputs, resolve_device, train_world_size
+from slimrl.config.checks import check_run_inputs, resolve_device
 from slimrl.config.finalize import finalize
 from slimrl.config.loader import save_config
 from slimrl.config.schema import SlimConfig
@@ -64,7 +64,7 @@ def run_training(config: SlimConfig) -> Path:
     checkpoint_dir.prepare_start(root, config.checkpoint.resume, config.checkpoint.overwrite)
     run_dir, config = prepare_run_dir(config)
     device = resolve_device(config)
-    world = train_world_size(config)
+    world = config.train_world_size()
     total_slots = config.cluster.num_nodes * config.cluster.gpus_per_node
     logger.info("run dir %s; %d training ranks on %s", run_dir, world, device)
     start_ray(config, device, total_slots)

@@ -53,13 +53,13 @@ def serving_checkpoint(config: SlimConfig, run_dir: Path, slots: DeviceSlots | N
     target = Path(serving_path(config, run_dir))
     if config.rollout.sglang.quantization != "fp8" or target.exists():
         return str(target)
-    from slimrl.config.checks import train_world_size
+
     from slimrl.weight_sync.fp8 import write_fp8_checkpoint
 
     partial = run_dir / f"{FP8_START}.partial"  # aside, then renamed: a killed run leaves no half copy
     shutil.rmtree(partial, ignore_errors=True)
     if slots is not None:
-        parts, map_parts = train_world_size(config), ray_map(slots, train_world_size(config))
+        parts, map_parts = config.train_world_size(), ray_map(slots, config.train_world_size())
     else:
         parts, map_parts = os.cpu_count() or 1, local_pool_map
     start = time.perf_counter()

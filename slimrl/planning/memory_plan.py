@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from slimrl.config.checks import resolve_device, train_world_size
+from slimrl.config.checks import resolve_device
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
@@ -601,7 +601,7 @@ def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
     if config.cluster.gpu_memory_gb <= 0:
         raise ConfigError(f"cluster.gpu_memory_gb={config.cluster.gpu_memory_gb}: must be > 0")
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-    layout = ParallelLayout.resolve(config.parallel, train_world_size(config), arch)
+    layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)
     dtype = config.model.dtype if config.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     tokens, tokens_setting = _tokens(config, layout)
     logits_tokens, logits_setting = _logits_tokens(config, tokens, tokens_setting)

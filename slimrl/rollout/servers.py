@@ -186,12 +186,12 @@ def server_command(
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
     from slimrl.compat.sglang_cpu import check_sglang_version
-    from slimrl.config.checks import default_base_gpu_id, resolve_device
+    from slimrl.config.checks import resolve_device
     from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
     check_sglang_version()
     on_cpu = resolve_device(config) == "cpu"
-    base_gpu = default_base_gpu_id(config, index) if base_gpu_id is None else base_gpu_id
+    base_gpu = config.base_gpu_id(index) if base_gpu_id is None else base_gpu_id
     cmd = build_launch_command(
         config, model_path=model_path, host=host, port=port, engine_index=index, base_gpu_id=base_gpu,
         on_cpu=on_cpu,

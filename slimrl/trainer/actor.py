@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slimrl.config.checks import train_world_size
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
@@ -55,7 +54,7 @@ class MegatronActor:
         self.ledger = ledger
         """The run's device ledger (the driver's); None outside a run (torchrun workers, tools)."""
         self.arch: ModelArch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
-        self.layout = ParallelLayout.resolve(config.parallel, train_world_size(config), self.arch)
+        self.layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), self.arch)
         self.state: TrainState | None = None
         self.options: BuildOptions | None = None
         self.weights: WeightStore | None = None

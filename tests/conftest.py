@@ -45,6 +45,7 @@ MODULE_SECONDS = {
     "test_engine_contract": 128,
     "test_gpu_configs": 108,
     "test_install": 95,
+    "test_golden_trajectory": 120,
     "test_resume": 94,
     "test_true_on_policy": 82,
     "test_weight_sync": 72,

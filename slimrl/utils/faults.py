@@ -22,8 +22,10 @@ import os
 import re
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where a fault acts: the driver, Ray's probes and the router import this
+    import torch
 
 CORRUPT_UPDATE = "SLIMRL_FAULT_CORRUPT_UPDATE"
 NONFINITE_GRAD = "SLIMRL_FAULT_NONFINITE_GRAD"
@@ -55,6 +57,8 @@ def _flipped(tensor: torch.Tensor, push: int) -> torch.Tensor:
     out = tensor.detach().clone()
     flat = out.reshape(-1)
     start = 64 * push % max(flat.numel() - 64, 1)
+    import torch
+
     flat[start : start + 64].view(torch.uint8).bitwise_not_()
     return out
 

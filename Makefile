@@ -27,7 +27,7 @@ demo: $(STAMP)
 # Two workers (the CI machine's two cores): each test module is one unit of work, the heaviest
 # first (tests/conftest.py); a single worker leaves a quarter of the machine idle while tests wait
 # on servers and processes start.
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ SGLANG_TIER_MODULES = {
 
 
 NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix"}
-"""Modules that create the network-namespace hosts (fixed names): one xdist worker runs them all."""
+"""Modules that build network-namespace hosts: under `-n 2` they take turns (`network_hosts`)."""
 
 MODULE_SECONDS = {
     "test_rl_e2e": 730,
@@ -68,29 +70,39 @@ MODULE_SECONDS = {
     "test_weight_sync_hang": 9,
     "test_sglang_parser": 7,
 }
-"""Each module's time in the suite's own run (2 cores, `--durations=0`): under `-n 2` the heaviest
-modules start first, so the two workers end together. A module not listed counts as quick."""
+"""Each module's time in the suite's own run (2 cores, `--durations=0`): under `-n 2 --dist
+loadfile` (each module one unit of work, so its module fixtures start once) the heaviest modules
+start first, so the two workers end together. A module not listed counts as quick."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark the real-SGLang tier (`pytest -m sglang` runs it alone): its modules, and every test
-    parametrised with the `sglang` engine. For `-n 2 --dist loadgroup` (`make test`): each module is
-    one unit of work (its module fixtures start once), the network-host modules one unit together,
-    heaviest first."""
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        module = _module(item)
-        if module in SGLANG_TIER_MODULES or (callspec and "sglang" in callspec.params.values()):
-            item.add_marker(pytest.mark.sglang)
-        group = "network_hosts" if module in NETWORK_HOST_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
+    parametrised with the `sglang` engine."""
+    callspec = getattr(item, "callspec", None)
+    if _module(item) in SGLANG_TIER_MODULES or (callspec and "sglang" in callspec.params.values()):
+        item.add_marker(pytest.mark.sglang)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heaviest modules first, so the two workers end together."""
     first_seen = {module: index for index, module in reversed(list(enumerate(map(_module, items))))}
     items.sort(key=lambda item: (-MODULE_SECONDS.get(_module(item), 0.0), first_seen[_module(item)]))
 
 
 def _module(item: pytest.Item) -> str:
     return item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def network_hosts(request) -> Iterator[None]:
+    """The network-host modules take turns across xdist workers: hosts, bridges and the Slurm
+    cluster's ports are the machine's, whoever asks."""
+    if _module(request.node) not in NETWORK_HOST_MODULES:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / "slimrl-network-hosts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import math
 import threading
 import time
@@ -25,7 +26,7 @@ from transformers import AutoTokenizer
 
 from examples.multi_turn_tool_generate import generate as multi_turn_generate
 from slimrl.errors import SlimError
-from slimrl.rollout.client import FleetClient
+from slimrl.rollout.client import POOL_KEEP_ALIVE_S, FleetClient
 from slimrl.rollout.generate import RolloutContext, generate, sampling_params_for, turn_weight_versions
 from slimrl.rollout.sample_checks import GENERATE_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
@@ -44,6 +45,8 @@ CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 
+SERVER_KEEP_ALIVE_S = 5
+"""SGLang's `SGLANG_TIMEOUT_KEEP_ALIVE` default: uvicorn closes a connection idle this long."""
 ADMIN_KEY = "contract-admin-key"
 """Both engines run as `slimrl train` starts them: control endpoints behind a per-run admin key."""
 REPLAY = "algorithm.routing_replay=true"
@@ -333,6 +336,30 @@ def test_client_aborts_a_prefix_by_its_exact_rids(engine: Engine) -> None:
     for out in run(scenario):
         assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 500
     assert client.rids == {}
+
+
+def test_idle_connections_close_after_five_seconds_and_the_client_pool_lets_them_go_sooner(
+    engine: Engine,
+) -> None:
+    """SGLang's HTTP server (uvicorn) closes a keep-alive connection idle for
+    `SGLANG_TIMEOUT_KEEP_ALIVE` s (5); the embedded engine does the same (aiohttp's default is an
+    hour, which hid the race below). The client's pool reuses a connection only while it is idle
+    for less (`POOL_KEEP_ALIVE_S`): with aiohttp's default of 15 s, a request after a longer pause (a
+    weight sync on a loaded CI machine) went out on a connection the engine was closing, failed
+    with "Can not write request body", and a one-engine run stopped with "every engine is down"."""
+    host, port = engine.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/health", headers=admin("health"))
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("connection", "keep-alive") != "close"
+    response.read()
+    sock = conn.sock
+    idle_since = time.monotonic()
+    assert sock.recv(1) == b""  # blocks until the server closes its end
+    idle_s = time.monotonic() - idle_since
+    conn.close()
+    assert SERVER_KEEP_ALIVE_S - 0.5 <= idle_s <= SERVER_KEEP_ALIVE_S + 2.5, idle_s
+    assert idle_s - POOL_KEEP_ALIVE_S >= 2  # reuse ends well before the close can race it
 
 
 # ---------------------------------------------------------------------- information

@@ -41,6 +41,12 @@ RID_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("slimrl_rid_pre
 ABORT_TIMEOUT_S = 10.0
 ABORT_CONCURRENCY = 64
 """Abort calls in flight at once (one per rid and engine)."""
+POOL_KEEP_ALIVE_S = 2.0
+"""An idle pooled connection is reused only this long. SGLang's server closes one idle for 5 s
+(uvicorn's `timeout_keep_alive`, `SGLANG_TIMEOUT_KEEP_ALIVE`), aiohttp's pool keeps one for 15:
+after a pause between 5 and 15 s (a weight sync on a loaded host) a request could go out on a
+connection the engine was closing, fail with "Can not write request body", and take the live
+engine for dead. Well under 5 s, the close can never race the reuse."""
 _UNREACHABLE = "unreachable"
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.IncompleteReadError)
 
@@ -131,7 +137,7 @@ class FleetClient:
             del self._sessions[old_loop]  # its connections died with the loop
         session = self._sessions.get(loop)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=0)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_KEEP_ALIVE_S)
             session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
             self._sessions[loop] = session
         return session

@@ -794,10 +794,20 @@ class EmbeddedServer:
         return _ok("Success")
 
 
+def keep_alive_seconds() -> float:
+    """How long an idle keep-alive connection stays open: SGLang's (uvicorn's
+    `timeout_keep_alive`, `SGLANG_TIMEOUT_KEEP_ALIVE`, 5 s) rather than aiohttp's hour, so a
+    client that reuses a connection the server already closed fails here as against SGLang."""
+    return float(os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE", "5"))
+
+
 async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
     """Listen, load, announce readiness, and run until SIGTERM/SIGINT (then shut down cleanly)."""
     server = EmbeddedServer(args)
-    runner = web.AppRunner(server.app, handle_signals=False, access_log=None, shutdown_timeout=3.0)
+    runner = web.AppRunner(
+        server.app, handle_signals=False, access_log=None, shutdown_timeout=3.0,
+        keepalive_timeout=keep_alive_seconds(),
+    )  # fmt: skip
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:

@@ -29,7 +29,8 @@ Patches, each with the megatron-core code it covers:
 - no compile at import: `jit.py` wraps ~40 functions in `torch.compile` at import (slow, no gain on CPU).
 - CUDA-only extensions: `transformer/attention.py` imports `flash_mla` (installed with SGLang) and
   catches only `ImportError`; without a GPU driver the module raises `OSError` (libcuda.so.1), so
-  it is marked absent before Megatron-Core is imported.
+  it is marked absent before Megatron-Core is imported; so is `flashinfer` (see
+  `_CUDA_ONLY_EXTENSIONS`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 _CPU = torch.device("cpu")
-_CUDA_ONLY_EXTENSIONS = ("flash_mla",)
-"""Modules whose import raises OSError (not ImportError) without a GPU driver."""
+_CUDA_ONLY_EXTENSIONS = ("flash_mla", "flashinfer")
+"""Modules marked absent before Megatron-Core is imported: `flash_mla` raises OSError (not
+ImportError) without a GPU driver; `flashinfer` (installed with SGLang) is GPU kernels only, and
+Megatron-Core imports it only for its inference engine's fused RoPE
+(`inference/contexts/dynamic_context.py`), which the trainer never builds; importing it (and the
+CUTLASS DSL it pulls in) cost every CPU trainer and converter rank ~3 s of CPU."""
 
 
 def needs_cpu_compat() -> bool:

@@ -144,8 +144,9 @@ def test_workers_split_the_layers_and_stay_exact(tmp_path, tiny_model):
     _one_line_error(proc, "--workers 3: pp*workers = 3 pipeline stages for only 2 layers")
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
-    assert proc.returncode != 0
+def _one_line_error(proc: subprocess.CompletedProcess, fragment: str, code: int = 2) -> None:
+    """One line naming what is at fault; a refused input exits 2, a failed conversion 1."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
 
@@ -193,6 +194,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tiny_model):
     _one_line_error(
         convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--verify", "--tolerance", "1e-12"),
         "verify failed",
+        code=1,
     )
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary leftovers

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.megatron_bridge.torch_dist_files import (
     ChunkFileReader,
     ChunkFileWriter,

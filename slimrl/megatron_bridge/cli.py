@@ -128,6 +128,29 @@ def check_paths(args: argparse.Namespace) -> None:
             )
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """What the launcher can refuse from `config.json`, the safetensors headers and the file system
+    alone, before any rank starts (each rank would import torch and Megatron-Core first, ~5 s):
+    an existing `--out`, an unsupported or incomplete config, a missing or truncated shard, a
+    torch_dist checkpoint that is not ours, incomplete, or of another architecture. The ranks
+    check again; what needs the tensors (shapes against the config) is theirs alone."""
+    from slimrl.megatron_bridge.archs import read_model_arch
+    from slimrl.megatron_bridge.checkpoint_meta import check_same_architecture, read_model_meta
+    from slimrl.megatron_bridge.safetensors_index import BridgeError, read_index
+    from slimrl.model_arch import read_hf_config
+
+    if Path(args.out).exists() and not args.force:
+        raise BridgeError(f"{args.out}: output exists; pass --force to replace it")
+    if args.direction == "hf-to-mcore":
+        read_model_arch(args.hf_dir)
+        read_index(Path(args.hf_dir))
+    else:
+        read_model_arch(args.hf_config_dir)
+        saved = read_model_meta(Path(args.ckpt))["hf_config"]
+        config = Path(args.hf_config_dir)
+        check_same_architecture(saved, read_hf_config(config), config / "config.json")
+
+
 def _run_rank(args: argparse.Namespace) -> None:
     from slimrl.megatron_bridge.convert import hf_to_megatron, megatron_to_hf
 
@@ -205,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
     try:
         check_paths(args)
-    except ConfigError as exc:
+        if not inside:
+            check_inputs(args)
+    except SlimError as exc:
         print(f"slimrl: error: {flag_names(str(exc))}", file=sys.stderr)
         return exc.exit_code
-    inside = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ)
     args.workers = resolve_workers(args, inside)
     if not inside:
         if _layout(args).world_size > 1:

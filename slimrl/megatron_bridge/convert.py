@@ -11,15 +11,18 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import arch_from_hf_config
-from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
+from slimrl.megatron_bridge.checkpoint_meta import check_same_architecture, read_model_meta
+from slimrl.megatron_bridge.hf_io import HFCheckpointReader
 from slimrl.megatron_bridge.layout_args import LayoutArgs
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.model_arch import ModelArch, read_hf_config
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -110,20 +113,6 @@ def check_weights_match_config(reader: HFCheckpointReader, arch: ModelArch, hf_d
             raise BridgeError(
                 f"{config}: num_experts={arch.num_experts} but the weights have {len(experts)} experts "
                 f"per layer"
-            )
-
-
-def check_same_architecture(saved: dict[str, Any], target: dict[str, Any], target_path: Path) -> None:
-    """The checkpoint's own HF config against the one we are asked to write with."""
-    a, b = arch_from_hf_config(saved, "checkpoint"), arch_from_hf_config(target, str(target_path))
-    for field in fields(ModelArch):
-        if field.name in ("extra", "hf_architecture"):
-            continue
-        left, right = getattr(a, field.name), getattr(b, field.name)
-        if left != right:
-            raise BridgeError(
-                f"{target_path}: `{field.name}` is {right!r} but the checkpoint was made with {left!r}; "
-                f"pass the --hf-config-dir the checkpoint came from"
             )
 
 
@@ -260,7 +249,7 @@ def _enforce_tolerance(result: VerifyResult, tolerance: float) -> None:
             flush=True,
         )
     if result.max_logit_diff > tolerance:
-        raise BridgeError(
+        raise SlimError(  # the conversion failed, not its input (exit 1)
             f"verify failed: max |logit diff| {result.max_logit_diff:.3e} exceeds the tolerance "
             f"{tolerance:.1e}; "
             f"the conversion does not reproduce the HF model"
@@ -277,7 +266,6 @@ def megatron_to_hf(
     from slimrl.megatron_bridge.dist_ckpt import (
         LayerwiseCheckpointReader,
         publish,
-        read_model_meta,
         shared_tmp_dir,
     )
     from slimrl.megatron_bridge.export import Ownership, iter_hf_tensors

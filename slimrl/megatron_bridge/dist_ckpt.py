@@ -17,11 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.checkpoint_meta import MODEL_META
 from slimrl.megatron_bridge.naming import LocalTensor, local_layer
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.parallel_layout import ParallelLayout
 
-MODEL_META = "slimrl_model.json"
 FILE_BYTES = 64 * 1024**2
 LOAD_BYTES = 128 * 1024**2
 # Megatron's torch_dist strategy still builds torch ShardedTensors; the warning is not ours to fix.
@@ -111,17 +111,6 @@ def save_model(chunks: list[Any], out_dir: Path, hf_config: dict[str, Any], layo
     if dist.get_rank() == 0:
         meta = {"hf_config": hf_config, "layout": asdict(layout)}
         (out_dir / MODEL_META).write_text(json.dumps(meta, indent=2, default=list) + "\n")
-
-
-def read_model_meta(ckpt_dir: Path) -> dict[str, Any]:
-    path = Path(ckpt_dir) / MODEL_META
-    if not (Path(ckpt_dir) / "metadata.json").is_file():
-        raise BridgeError(f"{ckpt_dir}: not a Megatron torch_dist checkpoint (no metadata.json)")
-    if not path.is_file():
-        raise BridgeError(f"{ckpt_dir}: no {MODEL_META}; was it written by slimrl?")
-    if not (Path(ckpt_dir) / ".metadata").is_file():
-        raise BridgeError(f"{ckpt_dir}: incomplete torch_dist checkpoint (no .metadata, the tensor index)")
-    return json.loads(path.read_text())
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:

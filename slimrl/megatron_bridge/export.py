@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from slimrl.megatron_bridge.bucketing import bucketed, load_together
-from slimrl.megatron_bridge.hf_io import BridgeError
 from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.megatron_bridge.transforms import megatron_full_to_hf, unshard
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout

@@ -14,54 +14,21 @@ from pathlib import Path
 
 import torch
 
-from slimrl.errors import SlimError
+from slimrl.megatron_bridge.safetensors_index import (
+    DTYPE_NAMES,
+    INDEX_NAME,
+    BridgeError,
+    read_index,
+)
 from slimrl.utils.mapped_files import MappedFiles
 from slimrl.utils.serial_worker import SerialWorker
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-
-
-class BridgeError(SlimError):
-    """A checkpoint that cannot be converted as it is."""
-
-
-def _check_shard(path: Path) -> tuple[dict[str, dict], int]:
-    """Parse the safetensors header and check the file holds every byte it promises.
-
-    Returns the header's tensor entries and where the tensor data starts."""
-    if not path.is_file():
-        raise BridgeError(f"{path}: safetensors shard listed in the checkpoint is missing")
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        raw = handle.read(8)
-        if len(raw) < 8:
-            raise BridgeError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size - 8:
-            raise BridgeError(
-                f"{path}: truncated safetensors file (header wants {header_len} bytes, file has {size})"
-            )
-        try:
-            header = json.loads(handle.read(header_len))
-        except json.JSONDecodeError:
-            raise BridgeError(f"{path}: corrupt safetensors header") from None
-    header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + header_len + end > size:
-        raise BridgeError(
-            f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + header_len + end})"
-        )
-    unknown = sorted({info["dtype"] for info in header.values()} - set(_TORCH_DTYPES))
-    if unknown:
-        valid = ", ".join(sorted(_TORCH_DTYPES))
-        raise BridgeError(f"{path}: unsupported safetensors dtype {unknown[0]} (valid: {valid})")
-    return header, 8 + header_len
+assert tuple(_TORCH_DTYPES) == DTYPE_NAMES
 
 
 class HFCheckpointReader:
@@ -74,27 +41,8 @@ class HFCheckpointReader:
 
     def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(hf_dir)
-        index = self.dir / INDEX_NAME
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
-            if not files:
-                raise BridgeError(f"{self.dir}: no *.safetensors files (and no {INDEX_NAME})")
-            weight_map = {}
-        self.location: dict[str, str] = {}
-        self._entries: dict[str, tuple[str, int, dict]] = {}  # name -> (file, data start, entry)
-        for file in files:
-            header, data_start = _check_shard(self.dir / file)
-            for name, entry in header.items():
-                self.location[name] = file
-                self._entries[name] = (file, data_start, entry)
-        missing = sorted(n for n, f in weight_map.items() if self.location.get(n) != f)
-        if missing:
-            raise BridgeError(
-                f"{index}: {len(missing)} tensors listed but not in their shard, e.g. {missing[0]}"
-            )
+        self._entries = read_index(self.dir)
+        self.location: dict[str, str] = {name: entry.file for name, entry in self._entries.items()}
         self._maps = MappedFiles()
         self._since_release = 0
 
@@ -105,7 +53,8 @@ class HFCheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._entries:
             raise BridgeError(f"{self.dir}: tensor `{name}` is not in the checkpoint")
-        file, data_start, entry = self._entries[name]
+        found = self._entries[name]
+        file, data_start, entry = found.file, found.data_start, found.entry
         begin, end = entry["data_offsets"]
         dtype = _TORCH_DTYPES[entry["dtype"]]
         if end == begin:
@@ -122,11 +71,11 @@ class HFCheckpointReader:
         return flat.reshape(entry["shape"])
 
     def nbytes(self, name: str) -> int:
-        begin, end = self._entries[name][2]["data_offsets"]
+        begin, end = self._entries[name].entry["data_offsets"]
         return end - begin
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entries[name][2]["shape"])
+        return tuple(self._entries[name].entry["shape"])
 
     def total_bytes(self) -> int:
         return sum((self.dir / f).stat().st_size for f in set(self.location.values()))

@@ -17,9 +17,10 @@ from typing import Any, Protocol
 import torch
 
 from slimrl.megatron_bridge.archs import ARCH_SPECS
-from slimrl.megatron_bridge.hf_io import BridgeError, HFCheckpointReader
+from slimrl.megatron_bridge.hf_io import HFCheckpointReader
 from slimrl.megatron_bridge.naming import LocalTensor, local_tensors
 from slimrl.megatron_bridge.rules import RuleSet
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.megatron_bridge.transforms import hf_to_megatron_full, shard
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.storage import _dtype_to_storage_type_map, _storage_type_to_dtype_map
 
-from slimrl.megatron_bridge.hf_io import BridgeError
+from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.utils.mapped_files import MappedFiles
 from slimrl.utils.serial_worker import SerialWorker
 

@@ -149,6 +149,17 @@ def _bundle_location() -> tuple[str, str, int, str | None]:
     return ray.util.get_node_ip_address(), node_id, int(gpu_ids[0]) if gpu_ids else 0, uuid
 
 
+def _cpu_bundle_locations(group: Any, num_slots: int) -> list[tuple[str, str, int, str | None]]:
+    """`_bundle_location` of CPU bundles from Ray's placement-group table: a CPU bundle has no
+    device to see from inside, and a probe task per bundle cost a worker process start per slot."""
+    import ray
+    from ray.util import placement_group_table
+
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return [(ip_of[node_of[i]], node_of[i], 0, None) for i in range(num_slots)]
+
+
 def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
     """(node, device) per bundle: nodes named by IP, plus a short node id where one IP hosts
     several Ray nodes (test clusters), so bundles of different nodes never look alike."""
@@ -184,17 +195,15 @@ def create_device_slots(num_slots: int, use_gpu: bool) -> DeviceSlots:
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(num_slots)], strategy="PACK")
     ray.get(group.ready(), timeout=300)
-    probe = ray.remote(_bundle_location)
-    probes = ray.get(
-        [
-            probe.options(
-                num_cpus=0.01,
-                num_gpus=0.01 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            ).remote()
-            for i in range(num_slots)
-        ]
-    )
+    if use_gpu:  # which GPU each bundle got, and its UUID, only a process inside it can see
+        probe = ray.remote(_bundle_location)
+        refs = []
+        for index in range(num_slots):
+            where = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+            refs.append(probe.options(num_cpus=0.01, num_gpus=0.01, scheduling_strategy=where).remote())
+        probes = ray.get(refs)
+    else:
+        probes = _cpu_bundle_locations(group, num_slots)
     labels = node_labels([probe[:3] for probe in probes])
     order, layout = order_slots(labels, use_gpu)
     uuids = {(node, dev): probe[3] for (node, dev), probe in zip(labels, probes, strict=True) if probe[3]}

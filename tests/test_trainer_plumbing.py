@@ -114,3 +114,32 @@ def test_frozen_parameters_do_not_move(tmp_path, tiny_model):
     assert result["unchanged"] == routers  # bitwise equal after the step; everything else moved
     assert not any(result["requires_grad"][n] for n in routers)
     assert "HybridDeviceOptimizer" not in result["optimizers"]
+
+
+def test_the_rank_api_is_what_the_megatron_actor_implements_and_all_the_group_calls():
+    """`TrainerRank` (the driver's seam to a rank) and `MegatronActor` agree method for method and
+    parameter for parameter, and the group names no rank method outside it (nor any by a string)."""
+    import ast
+    import inspect
+
+    from slimrl.orchestration import trainer_group
+    from slimrl.trainer.actor import MegatronActor
+    from slimrl.trainer.rank_api import TrainerRank
+
+    api = {name for name, _ in inspect.getmembers(TrainerRank, inspect.isfunction) if name[0] != "_"}
+    assert api >= {"setup", "train_rl", "push_weights", "save_checkpoint", "load_checkpoint", "offload"}
+    for name in api:
+        ours = inspect.signature(getattr(TrainerRank, name)).parameters.values()
+        theirs = inspect.signature(getattr(MegatronActor, name)).parameters.values()
+        assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in theirs], name
+    nodes = list(ast.walk(ast.parse(inspect.getsource(trainer_group))))
+    named = {
+        node.attr for node in nodes
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "TrainerRank"
+    }  # fmt: skip
+    by_string = [
+        node.args[0].value for node in nodes
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("run", "remote") and node.args and isinstance(node.args[0], ast.Constant)
+    ]  # fmt: skip
+    assert named and named <= api and by_string == [], (named, by_string)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
 from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.rank_api import TrainerRank
 from slimrl.utils.hang import Hung
+
+T = TypeVar("T")
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -68,8 +72,8 @@ class TrainerGroup:
         import ray
 
         ray.get(self._created)
-        summaries = ray.get([a.call.remote("setup", total_steps) for a in self.actors])
-        coords = ray.get([a.call.remote("coordinates") for a in self.actors])
+        summaries = ray.get([a.call.remote(TrainerRank.setup.__name__, total_steps) for a in self.actors])
+        coords = ray.get([a.call.remote(TrainerRank.coordinates.__name__) for a in self.actors])
         ray.get([a.freeze_startup_heap.remote() for a in self.actors])
         self.dp_rank_of = [c["dp"] for c in coords]
         self.pid_of = self.pids()  # asked now: an actor stuck in a call answers nothing else
@@ -79,21 +83,23 @@ class TrainerGroup:
     def dp_size(self) -> int:
         return max(self.dp_rank_of) + 1
 
-    def run(self, method: str, per_dp: list[Any] | None = None, *args: Any) -> list[Any]:
-        """Call `method` on every rank; with `per_dp`, rank r gets per_dp[its DP rank] first.
-        Bounded by `train.step_timeout_s`: past it, Hung names the ranks still working."""
+    def run(self, method: Callable[..., T], per_dp: list[Any] | None = None, *args: Any) -> list[T]:
+        """Call `method` (a `TrainerRank` method) on every rank; with `per_dp`, rank r gets
+        per_dp[its DP rank] first. Bounded by `train.step_timeout_s`: past it, Hung names the ranks
+        still working."""
         import ray
 
+        name = method.__name__
         calls = []
         for actor, dp_rank in zip(self.actors, self.dp_rank_of, strict=True):
             head = (per_dp[dp_rank],) if per_dp is not None else ()
-            calls.append(actor.call.remote(method, *head, *args))
+            calls.append(actor.call.remote(name, *head, *args))
         timeout = self.config.train.step_timeout_s
         _, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout)
         if pending:
             ranks = [rank for rank, call in enumerate(calls) if call in pending]
             raise Hung(
-                f"trainer call {method} did not finish in {timeout:.0f} s (train.step_timeout_s): the "
+                f"trainer call {name} did not finish in {timeout:.0f} s (train.step_timeout_s): the "
                 f"driver waits for trainer rank(s) {_ranges(ranks)} of {self.world_size}"
             )
         return ray.get(calls)
@@ -106,7 +112,7 @@ class TrainerGroup:
         return {f"trainer_rank{rank}": pid for rank, pid in enumerate(pids)}
 
     def train_step(self, per_dp: list[TrainBatch]) -> dict[str, float]:
-        results = self.run("train_step", per_dp)
+        results = self.run(TrainerRank.train_step, per_dp)
         merged: dict[str, float] = {}
         for result in results:  # only last-pipeline-stage ranks report the loss
             for key, value in result.items():
@@ -116,7 +122,7 @@ class TrainerGroup:
     def train_rl(self, per_dp: list[TrainBatch]) -> dict[str, float]:
         """One rollout's updates; metrics come from the ranks that compute losses."""
         merged: dict[str, float] = {}
-        for result in self.run("train_rl", per_dp):
+        for result in self.run(TrainerRank.train_rl, per_dp):
             for key, value in result.items():
                 if key not in merged or (key.startswith("train/") and "train/pg_loss" in result):
                     merged[key] = value
@@ -124,7 +130,7 @@ class TrainerGroup:
 
     def probe_logprobs(self, tokens: list[int]) -> list[float]:
         """The trainer's logprobs of `tokens[1:]` (the update check's probe)."""
-        answers = [a for a in self.run("probe_logprobs", None, tokens) if a is not None]
+        answers = [a for a in self.run(TrainerRank.probe_logprobs, None, tokens) if a is not None]
         return answers[0]
 
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
@@ -133,7 +139,7 @@ class TrainerGroup:
 
         tmp = new_tmp_dir(root, step)
         try:
-            self.run("save_checkpoint", None, str(tmp))
+            self.run(TrainerRank.save_checkpoint, None, str(tmp))
         except BaseException:  # e.g. SIGTERM mid-save: stop the writers, then drop what they wrote
             self.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,14 +147,14 @@ class TrainerGroup:
         return publish(root, tmp, step, driver_state, keep_last)
 
     def load_checkpoint(self, path: Path) -> None:
-        self.run("load_checkpoint", None, str(path))
+        self.run(TrainerRank.load_checkpoint, None, str(path))
 
     def offload(self, keep_params: bool = False) -> None:
         """Move every rank's training state to host memory (`keep_params`: all but the parameters)."""
-        self.run("offload", None, keep_params)
+        self.run(TrainerRank.offload, None, keep_params)
 
     def onload(self) -> None:
-        self.run("onload")
+        self.run(TrainerRank.onload)
 
     def push_weights(
         self,
@@ -167,10 +173,9 @@ class TrainerGroup:
 
         from slimrl.weight_sync.collectives import hang_report
 
-        calls = [
-            a.call.remote("push_weights", urls, transport, str(version), sync_dir, str(trace_dir))
-            for a in self.actors
-        ]
+        push = TrainerRank.push_weights.__name__  # bounded by its own timeout, not run()'s
+        args = (urls, transport, str(version), sync_dir, str(trace_dir))
+        calls = [a.call.remote(push, *args) for a in self.actors]
         try:
             return [result["fingerprint"] for result in ray.get(calls, timeout=timeout_s)]
         except GetTimeoutError:
@@ -217,6 +222,7 @@ class _ActorHost:
         megatron_cpu.apply()
 
     def call(self, method: str, *args: Any) -> Any:
+        """`method`: the name of a `TrainerRank` method (Ray carries names, not functions)."""
         return getattr(self.actor, method)(*args)
 
     def freeze_startup_heap(self) -> int:

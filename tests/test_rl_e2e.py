@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from slimrl.config import load_config
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -243,25 +244,28 @@ def test_algorithm_family_learns_the_toy_task(tmp_path, tiny_model, mod_sum_data
     assert last > first + 0.02 and last > 2 * first and last >= 0.7 * LEARNED[name], (first, last)
 
 
-def test_make_demo_script_learns_and_reports(tmp_path, tiny_model, mod_sum_data):
-    """`make demo`'s script on the demo config, cut to 40 of its 300 steps: it trains (EP2, 2 engines
-    behind sglang-router, 64 prompts x 16 samples), plots, and reports the first-10 and last-10
-    reward, the step where the last-10 mean first reached 0.9 and its wall time; the reward rises."""
-    steps = 40
+def test_make_demo_reaches_the_readme_s_0_9(tmp_path, tiny_model, mod_sum_data):
+    """`make demo`'s script on the demo config, whole (330 steps: EP2, 2 engines behind
+    sglang-router, 64 prompts x 16 samples): the README's claim, measured. It trains from chance,
+    the mean of the last 10 rollouts reaches 0.9 (first at steps 231-270 in 9 runs of 3 seeds, ended
+    at 0.927-0.979), and the script reports the first-10 and last-10 reward, that step, its wall time
+    and the plot."""
     cmd = [
         sys.executable, "launch/demo.py", f"model.hf_checkpoint={tiny_model('qwen3_moe')}",
-        f"data.prompt_data={mod_sum_data}", f"run.runs_dir={tmp_path}", f"train.num_steps={steps}",
-        "checkpoint.save_interval=null", "logging.tensorboard=false",
+        f"data.prompt_data={mod_sum_data}", f"run.runs_dir={tmp_path}", "checkpoint.save_interval=null",
+        "logging.tensorboard=false",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-5000:]
     metrics = rows(tmp_path / "tiny_moe_grpo")
+    steps = load_config(CONFIG).train.num_steps
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     assert all(r["rollout/samples"] == 64 * 16 for r in metrics)
     reward = [r["rollout/raw_reward"] for r in metrics]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    # measured: first-10 0.015, last-10 0.060 after 40 steps; required: 70% of it
-    assert last > first + 0.02 and last > 2 * first and last >= 0.042, (first, last)
+    means = [sum(reward[i - 10 : i]) / 10 for i in range(10, steps + 1)]
+    reached = next((i + 10 for i, mean in enumerate(means) if mean >= 0.9), None)
+    assert first < 0.05 and reached is not None and last >= 0.9, (first, last, reached)
     assert f"first 10 rollouts {first:.3f}, last 10 rollouts {last:.3f} ({steps} steps)" in proc.stdout
-    assert "last-10 mean first >= 0.9 at step" in proc.stdout and "wall time" in proc.stdout
+    assert f"last-10 mean first >= 0.9 at step {reached}; wall time" in proc.stdout
     assert (tmp_path / "tiny_moe_grpo" / "reward_curve.png").stat().st_size > 0

@@ -7,7 +7,7 @@ import secrets
 import signal
 from pathlib import Path
 
-from slimrl.config.checks import check_run_inputs, resolve_device
+from slimrl.config.checks import check_run_inputs
 from slimrl.config.finalize import finalize
 from slimrl.config.loader import save_config
 from slimrl.config.schema import SlimConfig
@@ -63,7 +63,7 @@ def run_training(config: SlimConfig) -> Path:
     root = checkpoint_dir.checkpoint_root(config, run_path)
     checkpoint_dir.prepare_start(root, config.checkpoint.resume, config.checkpoint.overwrite)
     run_dir, config = prepare_run_dir(config)
-    device = resolve_device(config)
+    device = config.cluster.device  # finalized: cpu or cuda
     world = config.train_world_size()
     total_slots = config.cluster.num_nodes * config.cluster.gpus_per_node
     logger.info("run dir %s; %d training ranks on %s", run_dir, world, device)
@@ -82,7 +82,7 @@ def run_training(config: SlimConfig) -> Path:
         else:
             from slimrl.orchestration.rl_loop import run_rl
 
-            run_rl(config, run_dir, slots, trainers, device)
+            run_rl(config, run_dir, slots, trainers)
     finally:
         if not config.ray.address:
             ray.shutdown()

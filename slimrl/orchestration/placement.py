@@ -172,7 +172,6 @@ def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
 def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
     """The device ledger of the placement Ray gave this run (its nodes, its GPUs' UUIDs), checked
     by the GPU's rules like the config's own layout was at load."""
-    from slimrl.config.checks import weight_transport
     from slimrl.devices.ledger import build_ledger
     from slimrl.devices.rank_groups import Sizes
     from slimrl.devices.rules import check_ledger
@@ -181,7 +180,7 @@ def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
 
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
     layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)
-    transport = weight_transport(config) if config.algorithm.loss == "policy" else None
+    transport = config.rollout.weight_sync if config.algorithm.loss == "policy" else None  # finalized
     ledger = build_ledger(config, slots.layout, device, Sizes.of(layout), transport, slots.uuids or None)
     check_ledger(ledger)
     return ledger

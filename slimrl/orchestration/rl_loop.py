@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint
-from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.fp8_start import serving_checkpoint  # the FP8 start copy, written in parallel
@@ -108,7 +107,7 @@ class RLRun:
         self.fingerprints: list[tuple[float, float]] | None = None
         """Each trainer rank's weights fingerprint at the last push."""
         self.weights_moved = False
-        self.transport = weight_transport(config)
+        self.transport = config.rollout.weight_sync  # finalized: the transport itself, never auto
         self.ckpt_root = checkpoint_root(config, run_dir)
 
     # ------------------------------------------------------------------ pieces
@@ -340,17 +339,15 @@ def first_update_checkable(config: SlimConfig, run_dir: Path) -> bool:
     return config.rollout.verify_first_update and model.init_from_hf and not model.load and not resuming
 
 
-def run_rl(
-    config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: TrainerGroup, device: str
-) -> None:
-    world = trainers.world_size
+def run_rl(config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: TrainerGroup) -> None:
+    """The RL job on a finalized config (`config/finalize.py`: device, transport and offload are
+    decided there, once)."""
     colocated = config.cluster.colocate
-    offload = config.train.offload if config.train.offload is not None else colocated and device == "cuda"
+    offload = bool(config.train.offload)  # finalized for policy runs
     total_steps = config.train.num_steps * config.train.steps_per_rollout
-    first_slot = 0 if colocated else world
     share = ROLLOUT_SHARE_COLOCATED if colocated else 1.0
     fleet = RayFleet(
-        config, slots, first_slot, run_dir, share, serving_checkpoint(config, run_dir, slots)
+        config, slots, config.engine_first_slot(), run_dir, share, serving_checkpoint(config, run_dir, slots)
     )  # engines load before the trainer builds
     try:
         # Colocated engines always hand their memory over, on CPU as on GPUs: SGLang's memory
@@ -362,7 +359,7 @@ def run_rl(
         handoff.to_trainer()
         summaries = trainers.setup(total_steps=total_steps)
         logger.info(
-            "%d training ranks (%d data-parallel), %d parameters", world, trainers.dp_size,
+            "%d training ranks (%d data-parallel), %d parameters", trainers.world_size, trainers.dp_size,
             sum(s["local_params"] for s in summaries),
         )  # fmt: skip
         from slimrl.utils.gc_tuning import freeze_startup_heap

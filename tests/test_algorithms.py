@@ -1113,3 +1113,26 @@ def test_extreme_and_masked_tokens_give_finite_loss_and_gradient(
     for grad in (logp.grad, entropy.grad):
         assert grad is not None and torch.isfinite(grad).all(), grad
         assert (grad[mask == 0] == 0).all()
+
+
+def test_one_registry_of_estimators_feeds_the_gate_the_driver_and_the_trainer():
+    """`slimrl/estimators.py` names every estimator once: the config gate's choices, the driver's
+    score table and the traits the trainer reads all hold the same names, and each trait says what
+    its estimator's definition needs (a group baseline needs 2+ samples per prompt, PPO a critic)."""
+    from slimrl import estimators
+    from slimrl.config.checks import CHOICES
+    from slimrl.estimators import Estimator
+
+    assert CHOICES["algorithm.advantage_estimator"] == estimators.names() == tuple(Estimator)
+    assert set(alg.SAMPLE_SCORES) == set(Estimator)
+    by_trait = {
+        trait: estimators.names(lambda t, trait=trait: getattr(t, trait))
+        for trait in ("group_baseline", "token_level", "critic", "sequence_ratio", "std_choice")
+    }
+    assert by_trait == {
+        "group_baseline": ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline"),
+        "token_level": ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
+        "critic": ("ppo",),
+        "sequence_ratio": ("gspo",),
+        "std_choice": ("grpo", "gspo"),
+    }

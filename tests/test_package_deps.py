@@ -18,7 +18,7 @@ from tests.conftest import REPO
 
 FLOORS = [
     {"errors"},
-    {"utils", "compat", "model_arch", "sample", "sampled"},
+    {"utils", "compat", "model_arch", "sample", "sampled", "estimators"},
     {"config"},
     {"checkpoint_dir"},
     {"parallel_layout"},

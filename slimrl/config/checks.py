@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from slimrl import estimators
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 
@@ -27,14 +28,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "rollout.weight_sync": ("auto", "tensor", "distributed", "disk"),
     "rollout.router.policy": ("round_robin", "cache_aware", "power_of_two", "random"),
     "algorithm.loss": ("policy", "sft"),
-    "algorithm.advantage_estimator": (
-        "grpo",
-        "gspo",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "ppo",
-    ),
+    "algorithm.advantage_estimator": estimators.names(),
     "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "algorithm.grpo_std": ("unbiased", "population"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
@@ -532,32 +526,30 @@ def _check_algorithm(config: SlimConfig) -> None:
         _check_estimator(config)
 
 
-_GROUP_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
-_TOKEN_LEVEL = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-
-
 def _check_estimator(config: SlimConfig) -> None:
     """Estimator/loss combinations that have no definition are refused here, in one line naming the
     keys and what would be valid, instead of silently ignoring a setting."""
     algo, rollout = config.algorithm, config.rollout
     estimator = algo.advantage_estimator
-    if estimator in _GROUP_ESTIMATORS and rollout.n_samples_per_prompt < 2:
+    traits = estimators.traits(estimator)
+    if traits.group_baseline and rollout.n_samples_per_prompt < 2:
         raise ConfigError(
             f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: "
             f"{estimator} needs groups of at least 2 samples"
         )
-    if estimator == "gspo" and algo.loss_reduction != "seq_mean_token_mean":
+    if traits.sequence_ratio and algo.loss_reduction != "seq_mean_token_mean":
         raise ConfigError(
             f"algorithm.loss_reduction={algo.loss_reduction}: advantage_estimator=gspo is the mean over "
             "sequences of the sequence-level objective; set algorithm.loss_reduction=seq_mean_token_mean"
         )
-    if not algo.normalize_std and estimator not in ("grpo", "gspo"):
+    if not algo.normalize_std and not traits.std_choice:
+        with_std = "/".join(estimators.names(lambda t: t.std_choice))
         raise ConfigError(
-            f"algorithm.normalize_std=false: only grpo/gspo divide by the group std (Dr.GRPO drops it); "
+            f"algorithm.normalize_std=false: only {with_std} divide by the group std (Dr.GRPO drops it); "
             f"advantage_estimator={estimator} has none, remove the setting"
         )
-    if estimator not in _TOKEN_LEVEL:
-        token_level = ", ".join(_TOKEN_LEVEL)
+    if not traits.token_level:
+        token_level = ", ".join(estimators.names(lambda t: t.token_level))
         if algo.kl_coef != 0:
             raise ConfigError(
                 f"algorithm.kl_coef={algo.kl_coef}: the KL reward penalty needs a token-level estimator "
@@ -568,7 +560,7 @@ def _check_estimator(config: SlimConfig) -> None:
                 f"algorithm.gamma={algo.gamma}: discounts token-level returns ({token_level}); "
                 f"advantage_estimator={estimator} has none, leave gamma at 1.0"
             )
-    if algo.lambd != 1.0 and estimator != "ppo":
+    if algo.lambd != 1.0 and not traits.critic:
         raise ConfigError(
             f"algorithm.lambd={algo.lambd}: the GAE lambda applies to advantage_estimator=ppo only "
             f"(got {estimator}); leave lambd at 1.0"
@@ -606,8 +598,7 @@ def _check_estimator(config: SlimConfig) -> None:
 def _check_critic(config: SlimConfig) -> None:
     """PPO needs a value model and only PPO has one: `critic.*` is refused without it."""
     critic = config.critic
-    ppo = config.algorithm.loss == "policy" and config.algorithm.advantage_estimator == "ppo"
-    if not ppo:
+    if not config.has_critic():
         from slimrl.config.schema import CriticConfig
 
         default = CriticConfig()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from slimrl import estimators
+
 # Sections are plain, kw-only, slotted dataclasses so OmegaConf can type-check them and a typo
 # in a field name fails at class-definition time rather than at run time.
 _section = dataclass(kw_only=True, slots=True)
@@ -509,6 +511,11 @@ class SlimConfig:
         """Training ranks: every device when colocated, else all but the rollout devices."""
         total = self.cluster.num_nodes * self.cluster.gpus_per_node
         return total if self.cluster.colocate else total - self.cluster.rollout_gpus
+
+    def has_critic(self) -> bool:
+        """A value model trains beside the policy: a policy run whose estimator needs one (PPO)."""
+        found = estimators.TRAITS.get(self.algorithm.advantage_estimator)  # type: ignore[call-overload]
+        return self.algorithm.loss == "policy" and found is not None and found.critic
 
     def engine_first_slot(self) -> int:
         """Slot (in (node, device) order) of engine 0: the engines share the trainer's slots when

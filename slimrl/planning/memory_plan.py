@@ -616,7 +616,7 @@ def plan(config: SlimConfig, device: str | None = None) -> MemoryPlan:
         recompute=config.parallel.recompute,
         tokens=tokens,
         logits_tokens=logits_tokens,
-        critic=config.algorithm.loss == "policy" and config.algorithm.advantage_estimator == "ppo",
+        critic=config.has_critic(),
     )
     stages = tuple(
         _stage_plan(inp, chunks, rank) for rank, chunks in enumerate(pipeline_chunks(arch, layout))

@@ -99,7 +99,7 @@ class MegatronActor:
         self.offloader = Offloader(self.state.model, self.state.optimizer)
         num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         summary = {"rank": self.rank_info.rank, "local_params": num_params, "frozen": num_frozen}
-        if algo.loss == "policy" and algo.advantage_estimator == "ppo":
+        if self.config.has_critic():
             self.critic = Critic.build(self.config, self.arch, self.layout, options, chunks, total_steps)
             summary["critic_local_params"] = self.critic.num_params
         return summary

@@ -18,11 +18,14 @@ Conventions (shared with `batch.py`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
+from slimrl import estimators
 from slimrl.errors import ConfigError
+from slimrl.estimators import Estimator
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 Level = Literal["token", "sequence"]
@@ -35,9 +38,6 @@ _LEVELS = ("token", "sequence")
 _IS_LEVELS = ("token", "sequence", "geometric")
 _REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 _GROUP_STDS = ("unbiased", "population")
-_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-"""Estimators whose advantages are per token and computed in the trainer (`rl._token_level_advantages`)."""
 
 # Every importance ratio (policy, GSPO, TIS, MIS) clamps its log-ratio to [-20, 20] before exp, as
 # does low_var_kl. Inside the bound values are untouched; beyond it exp would overflow fp32 near 88
@@ -165,6 +165,19 @@ def reinforce_plus_plus_baseline_advantages(rewards_GN: torch.Tensor) -> torch.T
     return rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
 
 
+SAMPLE_SCORES: dict[Estimator, Callable[[torch.Tensor, bool, str], torch.Tensor]] = {
+    # (rewards_GN, normalize_std, std) -> what the driver sends per sample (`sample_advantages`)
+    Estimator.GRPO: lambda r, normalize, std: grpo_advantages(r, normalize, std=std),
+    Estimator.GSPO: lambda r, normalize, std: grpo_advantages(r, normalize, std=std),  # GRPO's
+    Estimator.RLOO: lambda r, _, __: rloo_advantages(r),
+    Estimator.REINFORCE_PLUS_PLUS: lambda r, _, __: r.clone(),  # the trainer's returns
+    Estimator.REINFORCE_PLUS_PLUS_BASELINE: lambda r, _, __: reinforce_plus_plus_baseline_advantages(r),
+    Estimator.PPO: lambda r, _, __: r.clone(),  # the trainer's GAE
+}
+"""The driver's half of every estimator (`slimrl/estimators.py` names them; a test holds the two
+tables to the same keys)."""
+
+
 def sample_advantages(
     estimator: str, rewards_GN: torch.Tensor, normalize_std: bool, *, std: GroupStd | str = "unbiased"
 ) -> torch.Tensor:
@@ -174,14 +187,8 @@ def sample_advantages(
     trainer turns into advantages (`rl._token_level_advantages`): the raw reward for
     `reinforce_plus_plus` and `ppo`, the group-centred reward for `reinforce_plus_plus_baseline`.
     """
-    _check_choice("algorithm.advantage_estimator", estimator, _ESTIMATORS)
-    if estimator in ("grpo", "gspo"):  # GSPO shares GRPO's advantages
-        return grpo_advantages(rewards_GN, normalize_std, std=std)
-    if estimator == "rloo":
-        return rloo_advantages(rewards_GN)
-    if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline_advantages(rewards_GN)
-    return rewards_GN.clone()
+    _check_choice("algorithm.advantage_estimator", estimator, estimators.names())
+    return SAMPLE_SCORES[Estimator(estimator)](rewards_GN, normalize_std, std)
 
 
 def overlong_reward(
@@ -746,6 +753,7 @@ def masked_is(
 
 
 __all__ = [
+    "SAMPLE_SCORES",
     "entropy_bonus",
     "gae",
     "gae_vectorised",

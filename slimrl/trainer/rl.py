@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slimrl import estimators
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.batch import MicroBatch, TrainBatch
 from slimrl.trainer.logprobs import token_logprobs
@@ -122,8 +123,9 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     if actor.routing is not None and algo.routing_replay_counterfactual:
         metrics.update(counterfactual_mismatch(actor, batch))
     metrics["perf/logprob_seconds"] = time.perf_counter() - start
-    if algo.advantage_estimator in alg.TOKEN_LEVEL_ESTIMATORS and algo.advantage_estimator != "ppo":
-        _token_level_advantages(actor, batch)  # ppo: GAE on the critic's values (`ppo.py`)
+    traits = estimators.traits(algo.advantage_estimator)
+    if traits.token_level and not traits.critic:
+        _token_level_advantages(actor, batch)  # with a critic: GAE on its values (`ppo.py`)
     if last_pipeline_stage() and OLD_LOGP in batch.per_token:
         metrics.update(_mismatch(actor, batch))
     return metrics
@@ -329,7 +331,7 @@ def rl_loss(
         eps_clip=algo.eps_clip,
         eps_clip_high=algo.eps_clip_high,
         dual_clip_c=algo.dual_clip_c,
-        level="sequence" if algo.advantage_estimator == "gspo" else "token",
+        level="sequence" if estimators.traits(algo.advantage_estimator).sequence_ratio else "token",
         global_tokens=global_tokens,
         is_weights_BS=is_weights,
         **reduce,

@@ -77,7 +77,7 @@ async def _http(url: str, prompts: list[list[int]], max_new: int, concurrency: i
 
 def _start_server(kind: str, model_dir: Path, log_dir: Path) -> ServerProcess:
     """One engine started by slimrl's own launch code (`rollout.engine=<kind>`), as a run does."""
-    from slimrl.config import load_config
+    from slimrl.preflight import load_config
     from slimrl.rollout.servers import start_server
 
     config = load_config(None, [f"model.hf_checkpoint={model_dir}", f"rollout.engine={kind}"])

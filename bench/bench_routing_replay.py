@@ -107,7 +107,7 @@ def _time_replay_work() -> list[float]:
 
 
 def _load_config(overrides: list[str]):
-    from slimrl.config import load_config
+    from slimrl.preflight import load_config
 
     return load_config(None, [*overrides, "algorithm.routing_replay=true"])
 

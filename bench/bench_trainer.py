@@ -40,8 +40,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def tiny_actor(tmp: str, budget: int, *overrides: str):
     """A one-rank Megatron actor on a fresh tiny Qwen3-MoE (fixed seed), set up for 1000 steps."""
-    from slimrl.config import load_config
     from slimrl.data.tiny_models import make_tiny
+    from slimrl.preflight import load_config
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.distributed import RankInfo
     from slimrl.utils.net import free_port

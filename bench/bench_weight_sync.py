@@ -91,7 +91,7 @@ def warm_copy_seconds(params: list[torch.Tensor]) -> float:
 
 def engine_config(kind: str, model: Path, *overrides: str) -> Any:
     """The run config of one engine kind: the server launch and `push_weights` both read it."""
-    from slimrl.config import load_config
+    from slimrl.preflight import load_config
 
     return load_config(None, [f"model.hf_checkpoint={model}", f"rollout.engine={kind}", *overrides])
 

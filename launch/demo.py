@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from slimrl.cli import main
-from slimrl.config import load_config
 from slimrl.orchestration.metrics import read_metrics
+from slimrl.preflight import load_config
 from slimrl.utils.plot import moving_average, plot_metric
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ Handler = Callable[[argparse.Namespace], int | None]
 
 
 def _train(args: argparse.Namespace) -> None:
-    from slimrl.config import load_config
+    from slimrl.preflight import load_config
 
     if args.json and not args.dry_run:
         raise ConfigError("--json: prints the dry run's report; use it with --dry-run")
@@ -31,8 +31,8 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _rollout(args: argparse.Namespace) -> None:
-    from slimrl.config import load_config
     from slimrl.orchestration.rollout_only import run_rollout_only
+    from slimrl.preflight import load_config
 
     run_rollout_only(load_config(args.config, args.overrides), args.num_rollouts)
 
@@ -40,9 +40,9 @@ def _rollout(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     """Print the per-GPU memory plans of the trainer and of one rollout engine; a layout that cannot
     fit exits 2 with one line on stderr (an engine that does not fit is refused at load)."""
-    from slimrl.config import load_config
     from slimrl.planning.engine_plan import check_config_engines, plan_engine
     from slimrl.planning.memory_plan import check_fits, plan
+    from slimrl.preflight import load_config
 
     config = load_config(args.config, args.overrides)
     memory = plan(config, device=args.device)

@@ -15,7 +15,7 @@ import requests
 import torch
 
 from slimrl.compat.sglang_cpu import SGLANG_RELEASE
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.rollout.servers import ServerProcess, start_server
 from tests.conftest import free_port
 

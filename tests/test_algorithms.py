@@ -1120,8 +1120,8 @@ def test_one_registry_of_estimators_feeds_the_gate_the_driver_and_the_trainer():
     score table and the traits the trainer reads all hold the same names, and each trait says what
     its estimator's definition needs (a group baseline needs 2+ samples per prompt, PPO a critic)."""
     from slimrl import estimators
-    from slimrl.config.checks import CHOICES
     from slimrl.estimators import Estimator
+    from slimrl.preflight.checks import CHOICES
 
     assert CHOICES["algorithm.advantage_estimator"] == estimators.names() == tuple(Estimator)
     assert set(alg.SAMPLE_SCORES) == set(Estimator)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slimrl.config import load_config, save_config
-from slimrl.config.checks import RANGES, check_run_inputs
-from slimrl.config.finalize import finalize
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.parallel_layout import ParallelLayout
+from slimrl.preflight import load_config, save_config
+from slimrl.preflight.checks import RANGES, check_run_inputs
+from slimrl.preflight.finalize import finalize
 from tests.conftest import REPO, run_slimrl
 
 

@@ -21,9 +21,9 @@ from unittest import mock
 
 import pytest
 
-from slimrl.config import load_config
 from slimrl.orchestration.dry_run import engine_launches
 from slimrl.planning.engine_plan import EngineWidths, kv_bytes_per_token, plan_engine
+from slimrl.preflight import load_config
 from tests.conftest import REPO
 from tests.test_launch_plan import GPU_CONFIGS
 

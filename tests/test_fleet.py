@@ -22,9 +22,9 @@ import psutil
 import pytest
 import requests
 
-from slimrl.config import load_config
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
+from slimrl.preflight import load_config
 from slimrl.rollout.client import FleetClient, RequestTimedOut
 from slimrl.rollout.fleet import Fleet
 from slimrl.rollout.servers import server_command

@@ -210,8 +210,8 @@ def test_fp8_fleet_starts_from_one_block_fp8_copy_per_run(tiny_model, tmp_path) 
 
 
 def test_fp8_rollout_on_cpu_is_refused_at_load(tiny_model) -> None:
-    from slimrl.config import load_config
     from slimrl.errors import ConfigError
+    from slimrl.preflight import load_config
 
     overrides = [f"model.hf_checkpoint={tiny_model('qwen3_moe')}", "rollout.sglang.quantization=fp8"]
     for engine in ("embedded", "sglang"):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimrl.config import load_config
 from slimrl.errors import ConfigError
+from slimrl.preflight import load_config
 from tests.conftest import REPO, run_slimrl
 from tests.test_launch_plan import GPU_CONFIGS
 

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from slimrl.config import load_config
-from slimrl.config.checks import weight_transport
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import (
     NOSET_CUDA_VISIBLE_DEVICES,
@@ -23,6 +21,8 @@ from slimrl.devices.launch_plan import (
 from slimrl.errors import ConfigError, SlimError
 from slimrl.orchestration.dry_run import engine_launches, render
 from slimrl.orchestration.placement import node_labels
+from slimrl.preflight import load_config
+from slimrl.preflight.checks import weight_transport
 from tests.conftest import REPO, run_slimrl
 
 GPU_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if "configs/models/" in p.read_text())

@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
-from slimrl.config import load_config
 from slimrl.devices.launch_plan import simulated_layout
 from slimrl.devices.ledger import Group, build_ledger, stand_in_uuid
 from slimrl.devices.rank_groups import Sizes, decoder_groups, embedding_groups, expert_groups
 from slimrl.devices.rules import GpuRuleError, check_group, check_ledger
+from slimrl.preflight import load_config
 from tests.conftest import REPO, run_slimrl
 from tests.test_launch_plan import GPU_CONFIGS
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from slimrl.config import load_config
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.megatron_config import padded_vocab_size
@@ -26,6 +25,7 @@ from slimrl.planning.memory_plan import (
     plan,
     total_parameters,
 )
+from slimrl.preflight import load_config
 from tests.conftest import REPO, run_slimrl, run_torchrun
 
 WORKER = REPO / "tests" / "dist" / "param_count_worker.py"

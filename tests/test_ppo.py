@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimrl.config import load_config
 from slimrl.errors import ConfigError
+from slimrl.preflight import load_config
 from slimrl.trainer import algorithms as alg
 from tests.conftest import REPO, run_torchrun
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

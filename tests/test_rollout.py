@@ -21,10 +21,10 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from slimrl.config import load_config
 from slimrl.config.schema import SlimConfig
 from slimrl.data.toy_tasks import make_data
 from slimrl.errors import SlimError
+from slimrl.preflight import load_config
 from slimrl.rollout.client import FleetClient, FleetDown
 from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.fleet import Fleet

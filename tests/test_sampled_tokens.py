@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slimrl.config import load_config
 from slimrl.errors import SlimError
 from slimrl.orchestration.rl_loop import AFTER_GENERATION, train_batches
+from slimrl.preflight import load_config
 from slimrl.rollout.generate import apply_response
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_routing_rows, check_sampled

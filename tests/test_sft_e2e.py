@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from tests.conftest import REPO, run_slimrl
 
 pytestmark = pytest.mark.slow

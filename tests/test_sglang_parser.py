@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from slimrl.compat import sglang_cpu
-from slimrl.config import load_config
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import engine_seats, simulated_layout
+from slimrl.preflight import load_config
 from slimrl.rollout.sglang.server_args import DETERMINISTIC_ATTENTION_DEFAULT, build_launch_command
 from tests.conftest import REPO
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimrl.config import load_config
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.megatron_bridge.megatron_config import BuildOptions, transformer_config_kwargs
 from slimrl.parallel_layout import ParallelLayout
+from slimrl.preflight import load_config
 from slimrl.trainer.model import optimizer_config_kwargs
 from tests.conftest import REPO, run_torchrun
 

@@ -11,13 +11,13 @@ import json
 
 import pytest
 
-from slimrl.config import load_config
 from slimrl.devices.launch_plan import simulated_layout
 from slimrl.devices.ledger import build_ledger
 from slimrl.devices.rank_groups import Sizes
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.planning.memory_plan import pipeline_chunks
+from slimrl.preflight import load_config
 from tests.conftest import REPO
 from tests.nccl_model import Deadlock, Op, check, old_funnel_schedule, sync_schedule
 

@@ -1,6 +1,6 @@
-"""Typed configuration: schema, loading with overrides, cross-section checks."""
+"""The typed configuration schema (`schema.py`), read by every floor. Loading, checking and
+finalising a config is the gate's (`slimrl/preflight/`)."""
 
-from slimrl.config.loader import load_config, save_config
 from slimrl.config.schema import SlimConfig
 
-__all__ = ["SlimConfig", "load_config", "save_config"]
+__all__ = ["SlimConfig"]

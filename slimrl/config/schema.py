@@ -1,9 +1,9 @@
 """The typed configuration schema: one dataclass per section, each default in exactly one place.
 
 YAML files under `configs/` and `key=value` overrides are merged onto these classes by
-`slimrl.config.loader`; unknown keys and wrong types are rejected there. Every other check (the
+`slimrl.preflight.loader`; unknown keys and wrong types are rejected there. Every other check (the
 range of each numeric field, choices, checks that span sections, hooks, data files) lives in
-`slimrl.config.checks` and runs at load; `slimrl.config.finalize` derives the values the run uses.
+`slimrl.preflight.checks` and runs at load; `slimrl.preflight.finalize` derives the values the run uses.
 Every field has a docstring and a reader (tests/test_config.py fails on one without either).
 """
 

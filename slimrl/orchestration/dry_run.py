@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from slimrl.config.checks import resolve_device, weight_transport
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.device import resolve_device
 from slimrl.devices.launch_plan import (
     EngineSeat,
     TrainerSeat,
@@ -23,6 +23,7 @@ from slimrl.devices.launch_plan import (
 )
 from slimrl.devices.ledger import Ledger, build_ledger
 from slimrl.devices.rank_groups import Sizes
+from slimrl.preflight.checks import weight_transport
 
 PLAN_PORT = 30000
 """Engine i is shown on port PLAN_PORT + i; a real run picks free ports when engines start."""

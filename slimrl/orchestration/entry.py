@@ -7,10 +7,10 @@ import secrets
 import signal
 from pathlib import Path
 
-from slimrl.config.checks import check_run_inputs
-from slimrl.config.finalize import finalize
-from slimrl.config.loader import save_config
 from slimrl.config.schema import SlimConfig
+from slimrl.preflight.checks import check_run_inputs
+from slimrl.preflight.finalize import finalize
+from slimrl.preflight.loader import save_config
 
 logger = logging.getLogger("slimrl")
 

@@ -340,7 +340,7 @@ def first_update_checkable(config: SlimConfig, run_dir: Path) -> bool:
 
 
 def run_rl(config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: TrainerGroup) -> None:
-    """The RL job on a finalized config (`config/finalize.py`: device, transport and offload are
+    """The RL job on a finalized config (`preflight/finalize.py`: device, transport and offload are
     decided there, once)."""
     colocated = config.cluster.colocate
     offload = bool(config.train.offload)  # finalized for policy runs

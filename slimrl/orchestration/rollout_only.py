@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slimrl.config.checks import check_run_inputs
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.entry import prepare_run_dir, setup_logging
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.sample_log import start_samples, write_samples
+from slimrl.preflight.checks import check_run_inputs
 
 logger = logging.getLogger("slimrl")
 HEAL_INTERVAL_S = 5.0

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 from slimrl.checkpoint_dir import checkpoint_root
-from slimrl.config.finalize import sft_batch_size
 from slimrl.config.schema import SlimConfig
 from slimrl.data.prompts import EpochSampler, drop_long_prompts, load_prompts
 from slimrl.data.sft import sft_sample
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
+from slimrl.preflight.finalize import sft_batch_size
 from slimrl.utils.hang import Hung, with_stacks
 
 logger = logging.getLogger(__name__)

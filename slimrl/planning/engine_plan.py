@@ -20,7 +20,7 @@ SGLang 0.5.23 engine holds, the way SGLang builds it:
 
 It fits when weights + one sequence's KV fit `mem_fraction_static * cluster.gpu_memory_gb` (SGLang's
 static pool) and SGLang's reserve fits the rest; `check_engine_fits` refuses it otherwise in one
-line, naming the key and the numbers. Runs at load for SGLang engines on GPUs (`config/checks.py`);
+line, naming the key and the numbers. Runs at load for SGLang engines on GPUs (`preflight/checks.py`);
 `slimrl plan` prints it after the trainer's plan.
 """
 

@@ -21,8 +21,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from slimrl.config.checks import resolve_device
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.device import resolve_device
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.model_arch import ModelArch

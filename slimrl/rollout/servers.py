@@ -186,7 +186,7 @@ def server_command(
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
     from slimrl.compat.sglang_cpu import check_sglang_version
-    from slimrl.config.checks import resolve_device
+    from slimrl.devices.device import resolve_device
     from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
     check_sglang_version()

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.megatron_bridge.export import export_hf_buckets
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.distributed import RankInfo, destroy_distributed

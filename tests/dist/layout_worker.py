@@ -9,7 +9,7 @@ import random
 import sys
 from pathlib import Path
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed

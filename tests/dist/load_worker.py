@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.megatron_bridge.dist_ckpt import load_model
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.distributed import RankInfo, destroy_distributed

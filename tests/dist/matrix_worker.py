@@ -21,7 +21,7 @@ import requests
 import torch.distributed as dist
 from sync_worker import PROMPTS, RESPONSES, sample_all
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.devices.launch_plan import simulated_layout
 from slimrl.devices.ledger import build_ledger
 from slimrl.devices.rank_groups import Sizes

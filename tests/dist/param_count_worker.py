@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed

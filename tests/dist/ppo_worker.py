@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.trainer import ppo
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.trainer import rl
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch

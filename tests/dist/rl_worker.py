@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed

@@ -51,7 +51,7 @@ def export_all(spec: dict[str, Any]) -> dict[str, dict[str, Export]]:
     megatron_cpu.apply()  # before Megatron-Core's first import: it compiles ~40 functions on import
     from megatron.core import parallel_state as mpu
 
-    from slimrl.config import load_config
+    from slimrl.preflight import load_config
     from slimrl.megatron_bridge.export import export_hf_buckets
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
     from slimrl.megatron_bridge.archs import read_model_arch

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from slimrl.config import load_config
+from slimrl.preflight import load_config
 from slimrl.megatron_bridge.loading import load_hf_into_megatron
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch

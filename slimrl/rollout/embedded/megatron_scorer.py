@@ -59,7 +59,7 @@ class MegatronScorer:
     """`EmbeddedEngine` passes each request's effective temperature (1.0 for greedy)."""
 
     def __init__(self, model_path: str, seed: int = 0) -> None:
-        from slimrl.config import load_config
+        from slimrl.config.schema import SlimConfig
         from slimrl.megatron_bridge.archs import read_model_arch
         from slimrl.megatron_bridge.hf_io import HFCheckpointReader
         from slimrl.megatron_bridge.loading import load_hf_into_megatron
@@ -68,16 +68,13 @@ class MegatronScorer:
         from slimrl.trainer.model import build_gpt_chunks, build_options
 
         # The trainer's configuration in true_on_policy mode (defaults elsewhere): the same
-        # `build_options` decides dtype, spec, dispatcher and deterministic mode.
-        self.config = load_config(
-            None,
-            [
-                f"model.hf_checkpoint={model_path}",
-                "algorithm.true_on_policy=true",
-                "cluster.device=cpu",
-                "cluster.gpus_per_node=1",
-            ],
-        )
+        # `build_options` decides dtype, spec, dispatcher and deterministic mode. Built from the
+        # schema, not loaded: these fixed settings need no gate (which sits above the rollout).
+        self.config = SlimConfig()
+        self.config.model.hf_checkpoint = model_path
+        self.config.algorithm.true_on_policy = True
+        self.config.cluster.device = "cpu"
+        self.config.cluster.gpus_per_node = 1
         self.arch = read_model_arch(model_path, self.config.model.overrides)
         self.layout = ParallelLayout.resolve(self.config.parallel, 1, self.arch)
         info = RankInfo(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())

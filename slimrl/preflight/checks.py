@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from slimrl import estimators
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.device import resolve_device
 from slimrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -180,14 +181,6 @@ def _get(config: SlimConfig, dotted: str) -> object:
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
-
-
-def resolve_device(config: SlimConfig) -> str:
-    if config.cluster.device != "auto":
-        return config.cluster.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def weight_transport(config: SlimConfig) -> str:
@@ -486,7 +479,7 @@ def _check_batches(config: SlimConfig, dp: int) -> None:
     SFT: `train.global_batch_size` samples per step (null: DEFAULT_SFT_BATCH). RL: a rollout of
     rollout_batch_size * n_samples_per_prompt samples is cut into `train.steps_per_rollout` equal
     steps; `train.global_batch_size`, derived, may be set only to that value (a check, not a knob)."""
-    from slimrl.config.finalize import sft_batch_size
+    from slimrl.preflight.finalize import sft_batch_size
 
     train, rollout = config.train, config.rollout
     if config.algorithm.loss == "sft":

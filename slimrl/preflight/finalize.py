@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from slimrl.config.checks import resolve_device, weight_transport
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.device import resolve_device
+from slimrl.preflight.checks import weight_transport
 
 DEFAULT_SFT_BATCH = 32
 """Samples per SFT optimizer step when `train.global_batch_size` is null."""

@@ -109,7 +109,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         raise _merge_error(exc, str(path)) from None
 
     _make_paths_absolute(config)
-    from slimrl.config.checks import check_config
+    from slimrl.preflight.checks import check_config
 
     check_config(config)
     return config

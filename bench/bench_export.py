@@ -31,8 +31,8 @@ def main() -> None:
     from slimrl.utils.net import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from slimrl.conversion.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.megatron_bridge.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.export import export_hf_buckets
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
 

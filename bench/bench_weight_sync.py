@@ -140,8 +140,8 @@ def push_seconds(actor: Any, kind: str, scratch: Path, bucket: int, repeats: int
 
 def load_actor(scratch: Path, size_gb: float, dtype: torch.dtype) -> Any:
     """The synthetic checkpoint in Megatron-Core, wrapped as much of an actor as a push reads."""
+    from slimrl.conversion.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.megatron_bridge.convert import LayoutArgs, _build, _init
     from slimrl.megatron_bridge.loading import load_hf_into_megatron
 
     stored_gb = size_gb * 2 / dtype.itemsize  # the checkpoint on disk is bf16

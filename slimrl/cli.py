@@ -122,8 +122,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from slimrl.conversion.cli import build_parser as convert_parser
     from slimrl.data.toy_tasks import TASKS
-    from slimrl.megatron_bridge.cli import build_parser as convert_parser
 
     parser = OneLineParser(prog="slimrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_stack_signal()  # the driver, a server: stacks on demand when a wait expires
     if argv[:1] == ["convert"]:  # the converter relaunches itself under torchrun
-        from slimrl.megatron_bridge.cli import main as convert_main
+        from slimrl.conversion.cli import main as convert_main
 
         return convert_main(argv[1:])
     args = build_parser().parse_args(argv)

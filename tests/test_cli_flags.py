@@ -14,7 +14,7 @@ import pytest
 
 from slimrl.cli import build_parser
 from slimrl.cli import main as slimrl_main
-from slimrl.megatron_bridge.cli import _workers
+from slimrl.conversion.cli import _workers
 from slimrl.utils.cli_args import (
     CHECKED_TYPES,
     non_negative_int,
@@ -66,7 +66,7 @@ def flags(
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 if name == "convert":  # `slimrl convert` hands its command line to the bridge's parser
-                    from slimrl.megatron_bridge.cli import build_parser as convert_parser
+                    from slimrl.conversion.cli import build_parser as convert_parser
 
                     sub = convert_parser()
                 yield from flags(sub, (*path, name))
@@ -144,12 +144,12 @@ def test_free_form_values_are_checked_by_their_command(
 def test_the_conversion_tools_use_the_same_checked_parser() -> None:
     for tool in ("hf_to_megatron.py", "megatron_to_hf.py"):
         text = (REPO / "tools" / "convert" / tool).read_text()
-        assert "from slimrl.megatron_bridge.cli import main" in text, tool
+        assert "from slimrl.conversion.cli import main" in text, tool
     assert Path(REPO / "tools" / "convert").is_dir()
 
 
 def test_conversion_errors_name_the_flags_the_command_has() -> None:
-    from slimrl.megatron_bridge.cli import flag_names
+    from slimrl.conversion.cli import flag_names
     from slimrl.megatron_bridge.layout_args import LayoutArgs
 
     said = "parallel.tp=3: must divide the model's 4 attention heads (valid: 1, 2, 4)"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from slimrl.megatron_bridge.cli import _wait_all
+from slimrl.conversion.cli import _wait_all
 
 
 def test_first_failure_stops_the_other_ranks():
@@ -25,14 +25,14 @@ def test_all_ranks_succeeding_is_success():
 
 
 def parse(tmp_path, *flags: str, layers: int = 6):
-    from slimrl.megatron_bridge.cli import build_parser
+    from slimrl.conversion.cli import build_parser
 
     (tmp_path / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
     return build_parser().parse_args(["hf-to-mcore", "--hf-dir", str(tmp_path), "--out", "x", *flags])
 
 
 def test_auto_workers_fill_the_cores_within_the_layers(tmp_path, monkeypatch):
-    from slimrl.megatron_bridge.cli import resolve_workers
+    from slimrl.conversion.cli import resolve_workers
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(16)))
     assert resolve_workers(parse(tmp_path), inside=False) == 6  # one per layer

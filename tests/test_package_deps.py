@@ -27,16 +27,15 @@ FLOORS = [
     {"megatron_bridge"},
     {"data", "weight_sync", "planning"},
     {"trainer"},
+    {"conversion"},
     {"rollout"},
     {"preflight"},
     {"orchestration"},
     {"cli"},
 ]
 
-KNOWN_BACK_EDGES = {
-    # move 3: the conversion's verify forward runs a training rank's model
-    ("megatron_bridge", "trainer"),
-}  # fmt: skip
+KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
+"""Empty: every import runs down. (Kept, with its test, so an exception is added in the open.)"""
 
 
 def floor_of(room: str) -> int:
@@ -93,6 +92,6 @@ def test_every_known_back_edge_is_still_there_and_runs_up() -> None:
     assert all(floor_of(b) >= floor_of(a) for a, b in KNOWN_BACK_EDGES)
 
 
-@pytest.mark.parametrize("room", ["utils", "compat", "model_arch", "sample", "sampled"])
+@pytest.mark.parametrize("room", ["utils", "compat", "model_arch", "sample", "sampled", "estimators"])
 def test_the_ground_floor_imports_only_errors(room: str) -> None:
     assert {b for (a, b) in edges() if a == room} <= {"errors"}

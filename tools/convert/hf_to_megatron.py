@@ -5,7 +5,7 @@ python tools/convert/hf_to_megatron.py --hf-dir DIR --out DIR [--tp N --pp N --e
 
 import sys
 
-from slimrl.megatron_bridge.cli import main
+from slimrl.conversion.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["hf-to-mcore", *sys.argv[1:]]))

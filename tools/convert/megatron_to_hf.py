@@ -5,7 +5,7 @@ python tools/convert/megatron_to_hf.py --ckpt DIR --out DIR --hf-config-dir DIR 
 
 import sys
 
-from slimrl.megatron_bridge.cli import main
+from slimrl.conversion.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["mcore-to-hf", *sys.argv[1:]]))

@@ -152,7 +152,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def _run_rank(args: argparse.Namespace) -> None:
-    from slimrl.megatron_bridge.convert import hf_to_megatron, megatron_to_hf
+    from slimrl.conversion.convert import hf_to_megatron, megatron_to_hf
 
     layout = _layout(args)
     if args.direction == "hf-to-mcore":
@@ -181,7 +181,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world),
         }
-        cmd = [sys.executable, "-m", "slimrl.megatron_bridge.cli", *argv]
+        cmd = [sys.executable, "-m", "slimrl.conversion.cli", *argv]
         logs = [Path(tmp) / f"rank{rank}.stderr" for rank in range(world)]
         procs = []
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slimrl import estimators
 from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
@@ -77,9 +78,11 @@ def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
         for sample in samples:
             if sample.status == Status.TRUNCATED:
                 sample.remove_sample = True
-    advantages = sample_advantages(config, groups)
+    per_sample = sample_advantages(config, groups)
+    # final advantages, or for a token-level estimator the score the trainer starts from
+    key = "scores" if estimators.traits(config.algorithm.advantage_estimator).token_level else "advantages"
     per_token = {
-        "advantages": [[a] * s.response_length for a, s in zip(advantages, samples, strict=True)],
+        key: [[a] * s.response_length for a, s in zip(per_sample, samples, strict=True)],
         "rollout_log_probs": [list(s.rollout_log_probs or [0.0] * s.response_length) for s in samples],
     }
     return split_for_dp(samples, dp, per_token, routing=config.algorithm.routing_replay)

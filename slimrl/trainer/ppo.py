@@ -40,8 +40,8 @@ def token_rewards(actor: MegatronActor, batch: TrainBatch) -> list[list[float]]:
     algo = actor.config.algorithm
     mask, _ = rl._padded([[float(m) for m in lm] for lm in batch.loss_masks])
     scores = torch.tensor(
-        [s[0] if s else 0.0 for s in batch.per_token[rl.ADVANTAGES]], dtype=torch.float64
-    )  # the driver sends the sample's reward here for ppo
+        [s[0] if s else 0.0 for s in batch.per_token[rl.SCORES]], dtype=torch.float64
+    )  # the driver's score of each sample: its reward
     penalty = None
     if algo.kl_coef > 0:
         old, _ = rl._padded(batch.per_token[rl.OLD_LOGP])

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from slimrl.trainer.actor import MegatronActor
 
 ROLLOUT_LOGP, OLD_LOGP, REF_LOGP, ADVANTAGES = "rollout_log_probs", "old_logp", "ref_logp", "advantages"
+SCORES = "scores"
+"""What the driver sends for a token-level estimator (`estimators.Traits.token_level`): each
+sample's score on its every token, from which the trainer computes `ADVANTAGES` (group estimators
+get their final advantages from the driver instead)."""
 MISMATCH = "mismatch/"
 """Prefix of the train/rollout mismatch sums that the loss reports when old logprobs are fused."""
 
@@ -240,7 +244,7 @@ def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
         ref, _ = _padded(batch.per_token[REF_LOGP])
         kl_penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
     # The driver put the sample's score (raw reward; group-centred for the baseline) on every token.
-    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[ADVANTAGES]], dtype=torch.float64)
+    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[SCORES]], dtype=torch.float64)
     rewards = alg.terminal_rewards(scores, mask, kl_penalty)
     returns = alg.reinforce_plus_plus_returns(rewards, mask, algo.gamma)
     total, total_sq, count = alg.masked_moments(returns, mask)

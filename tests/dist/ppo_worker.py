@@ -52,7 +52,7 @@ def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
         tokens=[s["tokens"] for s in mine],
         response_lengths=[s["response"] for s in mine],
         loss_masks=[s["mask"] for s in mine],
-        per_token={"advantages": [[s["reward"]] * s["response"] for s in mine]},  # the driver's score
+        per_token={"scores": [[s["reward"]] * s["response"] for s in mine]},  # the driver's score
         global_num_tokens=sum(sum(s["mask"]) for s in spec),
         global_num_seqs=NUM,
     )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from slimrl import estimators
 from slimrl.preflight import load_config
 from slimrl.trainer import rl
 from slimrl.trainer.actor import MegatronActor
@@ -25,7 +26,8 @@ from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 
-def rank_batch(data: dict, routing: str, dp: int, dp_rank: int) -> TrainBatch:
+def rank_batch(data: dict, routing: str, dp: int, dp_rank: int, key: str = "advantages") -> TrainBatch:
+    """`key`: "scores" for a token-level estimator (the trainer computes the advantages)."""
     count = len(data["tokens"])
     mine = list(range(dp_rank, count, dp))
     responses = data["response_lengths"]
@@ -34,7 +36,7 @@ def rank_batch(data: dict, routing: str, dp: int, dp_rank: int) -> TrainBatch:
         response_lengths=[responses[i] for i in mine],
         loss_masks=[[1] * responses[i] for i in mine],
         per_token={
-            "advantages": [[1.0 if i % 2 == 0 else -1.0] * responses[i] for i in mine],
+            key: [[1.0 if i % 2 == 0 else -1.0] * responses[i] for i in mine],
             "rollout_log_probs": [data["rollout_log_probs"][i] for i in mine],
         },
         global_num_tokens=sum(responses),
@@ -66,7 +68,8 @@ def main() -> None:
     actor.routing.enabled = False
     result["free"] = by_sample(batch, actor.response_logprobs(batch))
     actor.routing.enabled = True
-    result["metrics"] = actor.train_rl(rank_batch(data, "permuted", dp, dp_rank))
+    key = "scores" if estimators.traits(config.algorithm.advantage_estimator).token_level else "advantages"
+    result["metrics"] = actor.train_rl(rank_batch(data, "permuted", dp, dp_rank, key))
     if actor.critic is not None:  # PPO: the critic's routers must choose for themselves
         result["critic_replaying_routers"] = sum(
             1

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
+from slimrl import estimators
 from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
 from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 
-def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
+def make_batch(vocab: int, dp: int, dp_rank: int, key: str = "advantages") -> TrainBatch:
+    """`key`: "scores" for a token-level estimator (the trainer computes the advantages)."""
     rng = random.Random(0)
     sequences = [[rng.randrange(3, vocab) for _ in range(rng.randrange(10, 30))] for _ in range(8)]
     responses = [rng.randrange(3, len(s) - 2) for s in sequences]
@@ -33,7 +35,7 @@ def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
         tokens=[sequences[i] for i in mine],
         response_lengths=[responses[i] for i in mine],
         loss_masks=[[1] * responses[i] for i in mine],
-        per_token={"advantages": [[advantages[i]] * responses[i] for i in mine]},
+        per_token={key: [[advantages[i]] * responses[i] for i in mine]},
         global_num_tokens=sum(responses),
         global_num_seqs=8,
     )
@@ -74,7 +76,8 @@ def main() -> None:
     actor = MegatronActor(config, info)
     actor.setup(total_steps=4)
     coords = actor.coordinates()
-    batch = make_batch(actor.arch.vocab_size, actor.layout.dp, coords["dp"])
+    key = "scores" if estimators.traits(config.algorithm.advantage_estimator).token_level else "advantages"
+    batch = make_batch(actor.arch.vocab_size, actor.layout.dp, coords["dp"], key)
     rollout_lp = actor.response_logprobs(batch)  # as an exactly on-policy engine would report them
     batch.per_token["rollout_log_probs"] = [
         rollout_lp.get(i, [0.0] * n) for i, n in enumerate(batch.response_lengths)

@@ -18,10 +18,10 @@ import examples.multi_turn_tool_generate
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
 from slimrl.rollout import filters
-from slimrl.rollout.data_source import DataSource, load_buffer_filter
+from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.generate import generate
-from slimrl.rollout.rewards import load_reward_fn
-from slimrl.rollout.rollout import check_hooks, load_filter_fn, load_generate_fn, load_rollout_fn
+from slimrl.rollout.hooks import HOOKS, check_hooks, load_hook
+from slimrl.rollout.rollout import load_generate_fn
 from slimrl.sample import Sample
 
 ME = "test_hook_contracts"
@@ -83,21 +83,24 @@ def test_shipped_examples_and_builtins_satisfy_their_contracts() -> None:
     )
     check_hooks(config)
     assert load_generate_fn(config) is examples.multi_turn_tool_generate.generate
-    assert load_reward_fn(config) is examples.custom_reward.reward
-    assert load_filter_fn(config) is examples.filters.informative_group
-    assert load_buffer_filter(config) is examples.filters.oldest_first
-    assert load_rollout_fn(config) is examples.custom_rollout.rollout
+    assert load_hook(config, "reward") is examples.custom_reward.reward
+    assert load_hook(config, "filter") is examples.filters.informative_group
+    assert load_hook(config, "buffer_filter") is examples.filters.oldest_first
+    assert load_hook(config, "rollout") is examples.custom_rollout.rollout
     builtin = config_with(dynamic_sampling_filter_path="slimrl.rollout.filters.nonzero_reward_std")
-    assert load_filter_fn(builtin) is filters.nonzero_reward_std
+    assert load_hook(builtin, "filter") is filters.nonzero_reward_std
     defaults = SlimConfig()
     check_hooks(defaults)  # nothing configured: the built-in generate, no hooks
     assert load_generate_fn(defaults) is generate
-    assert load_reward_fn(defaults) is load_filter_fn(defaults) is load_rollout_fn(defaults) is None
+    assert all(load_hook(defaults, name) is None for name in HOOKS)
+    # the table's keys are the config's hook keys, every one of them
+    hook_fields = {f for f in SlimConfig().rollout.__slots__ if f.endswith("_path")}
+    assert {kind.field for kind in HOOKS.values()} == hook_fields
 
 
 def test_group_rm_contract() -> None:
     """With group_rm the hook gets the whole group (config, samples)."""
-    assert load_reward_fn(config_with(custom_rm_path="examples.custom_reward.reward", group_rm=True))
+    assert load_hook(config_with(custom_rm_path="examples.custom_reward.reward", group_rm=True), "reward")
     message = _error(config_with(custom_rm_path=f"{ME}.three_param_reward", group_rm=True))
     assert "cannot be called as f(config, samples)" in message
 

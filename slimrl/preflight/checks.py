@@ -713,7 +713,7 @@ def _check_hooks(config: SlimConfig) -> None:
     `slimrl train` only found a bad one once its rollout manager ran, tens of seconds in)."""
     if not any(getattr(config.rollout, key) for key in _HOOK_KEYS):
         return
-    from slimrl.rollout.rollout import check_hooks
+    from slimrl.rollout.hooks import check_hooks
 
     check_hooks(config)
 

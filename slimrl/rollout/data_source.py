@@ -4,7 +4,6 @@ groups returned by earlier rollouts. Its position is part of every checkpoint.""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
@@ -13,19 +12,6 @@ from slimrl.errors import ConfigError
 from slimrl.sample import Sample
 
 Group = list[Sample]
-
-
-def load_buffer_filter(config: SlimConfig) -> Callable[..., list[Group]] | None:
-    """The buffer filter (`rollout.buffer_filter_path`): plain `(config, buffer, n) -> groups`
-    choosing which buffered partial groups to continue; None (first in, first out) when unset."""
-    path = config.rollout.buffer_filter_path
-    if path is None:
-        return None
-    from slimrl.utils.hooks import load_function
-
-    return load_function(
-        path, key="rollout.buffer_filter_path", required_params=("config", "buffer", "n"), must_be_async=False
-    )
 
 
 class DataSource:
@@ -79,7 +65,9 @@ class DataSource:
         return taken + fresh
 
     def _from_buffer(self, count: int) -> list[Group]:
-        pick = load_buffer_filter(self.config)
+        from slimrl.rollout.hooks import load_hook
+
+        pick = load_hook(self.config, "buffer_filter")
         if pick is None:
             taken, self.buffer = self.buffer[:count], self.buffer[count:]
             return taken

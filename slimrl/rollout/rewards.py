@@ -27,8 +27,8 @@ import aiohttp
 from slimrl.config.schema import SlimConfig
 from slimrl.data.toy_tasks import TASKS, get_task
 from slimrl.errors import ConfigError, SlimError
+from slimrl.rollout.hooks import load_hook
 from slimrl.sample import Sample
-from slimrl.utils.hooks import load_function
 
 Reward = float | dict[str, float]
 
@@ -276,22 +276,10 @@ async def compute_rewards(config: SlimConfig, samples: list[Sample]) -> None:
         raise ConfigError(f"rollout.reward_type `{rollout.reward_type}` is not one of: {valid}")
 
 
-def load_reward_fn(config: SlimConfig) -> Callable[..., Awaitable[Any]] | None:
-    """The reward hook (`rollout.custom_rm_path`): async `(config, sample)`, or `(config, samples)`
-    with `group_rm`; None when unset."""
-    path = config.rollout.custom_rm_path
-    if path is None:
-        return None
-    second = "samples" if config.rollout.group_rm else "sample"
-    return load_function(
-        path, key="rollout.custom_rm_path", required_params=("config", second), must_be_async=True
-    )
-
-
 async def _custom_rewards(config: SlimConfig, samples: list[Sample]) -> None:
     rollout = config.rollout
     path = rollout.custom_rm_path
-    hook = load_reward_fn(config)
+    hook = load_hook(config, "reward")
     assert path is not None and hook is not None
     # Bounded like generation: a hook that calls a service must not open one request per sample at once.
     limit = asyncio.Semaphore(rollout.max_concurrency)

@@ -20,13 +20,13 @@ from typing import Any
 
 from slimrl.errors import SlimError
 from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, RequestTimedOut
-from slimrl.rollout.data_source import DataSource, Group, load_buffer_filter
+from slimrl.rollout.data_source import DataSource, Group
 from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampling_params_for
-from slimrl.rollout.rewards import compute_rewards, load_reward_fn, scalar_reward
+from slimrl.rollout.hooks import check_hooks, load_hook
+from slimrl.rollout.rewards import compute_rewards, scalar_reward
 from slimrl.rollout.sample_checks import GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
-from slimrl.utils.hooks import load_function
 
 logger = logging.getLogger(__name__)
 MAX_DRAWS_PER_TARGET = 50  # dynamic sampling gives up after drawing this many groups per wanted group
@@ -41,48 +41,9 @@ class RolloutResult:
 
 
 def load_generate_fn(config: Any) -> Callable[..., Any]:
-    """The generate hook (`rollout.custom_generate_function_path`) or the built-in one."""
-    path = config.rollout.custom_generate_function_path
-    if path is None:
-        return generate
-    return load_function(
-        path,
-        key="rollout.custom_generate_function_path",
-        required_params=("ctx", "sample", "sampling_params"),
-        must_be_async=True,
-    )
-
-
-def load_filter_fn(config: Any) -> Callable[..., Any] | None:
-    """The dynamic-sampling filter (`rollout.dynamic_sampling_filter_path`), None when unset."""
-    path = config.rollout.dynamic_sampling_filter_path
-    if path is None:
-        return None
-    key = "rollout.dynamic_sampling_filter_path"
-    return load_function(path, key=key, required_params=("config", "group"), must_be_async=False)
-
-
-def load_rollout_fn(config: Any) -> Callable[..., Any] | None:
-    """The custom rollout loop (`rollout.rollout_function_path`), None when unset."""
-    path = config.rollout.rollout_function_path
-    if path is None:
-        return None
-    return load_function(
-        path,
-        key="rollout.rollout_function_path",
-        required_params=("ctx", "data_source", "evaluation"),
-        must_be_async=True,
-    )
-
-
-def check_hooks(config: Any) -> None:
-    """Load every configured hook now, so a bad path or signature fails as one `ConfigError` line
-    before any engine starts or any token is generated (loads are cached)."""
-    load_generate_fn(config)
-    load_filter_fn(config)
-    load_rollout_fn(config)
-    load_reward_fn(config)
-    load_buffer_filter(config)
+    """The generate a rollout calls: the hook `rollout.custom_generate_function_path` names, or the
+    built-in one (custom rollout loops call it too: `examples/custom_rollout.py`)."""
+    return load_hook(config, "generate") or generate
 
 
 def _group_finished(group: Group) -> bool:
@@ -169,7 +130,7 @@ class _GroupRunner:
 async def run_rollout(ctx: RolloutContext, source: DataSource, evaluation: bool = False) -> RolloutResult:
     start = time.perf_counter()
     check_hooks(ctx.config)
-    custom = load_rollout_fn(ctx.config)
+    custom = load_hook(ctx.config, "rollout")
     if custom is not None:
         token = EVALUATING.set(evaluation)
         try:
@@ -208,7 +169,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
     config = ctx.config.rollout
     target = config.rollout_batch_size
     runner = _GroupRunner(ctx, evaluation=False)
-    keep = load_filter_fn(ctx.config)
+    keep = load_hook(ctx.config, "filter")
     kept: list[Group] = []
     surplus: list[Group] = []  # finished after the batch was full in the same wake-up
     counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0,

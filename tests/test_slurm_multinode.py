@@ -158,7 +158,9 @@ def test_node_that_cannot_reach_the_head_fails_in_one_line(cluster, tmp_path, ti
         ["ip", "-n", head, "-4", "-o", "addr", "show", "mgmt0"], capture_output=True, text=True
     )
     unreachable = addrs.stdout.split()[3].split("/")[0]
-    tag, wait_s = new_tag(), 10
+    # The wait bounds the head's own start too: under a loaded machine (the suite's other worker)
+    # the head took over 10 s, and the job failed on the head instead of on the join.
+    tag, wait_s = new_tag(), 30
     env = job_env(
         cluster, _overrides(tiny_model, mod_sum_data, tmp_path, 1, 1), tag,
         SLIMRL_HEAD_IP=unreachable, SLIMRL_RAY_WAIT_S=str(wait_s),

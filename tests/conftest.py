@@ -149,17 +149,17 @@ def run_torchrun(
 ) -> list[dict]:
     """Run a worker under torchrun; each rank writes out_dir/rank<k>.json. Returns them by rank."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        str(script),
-        str(out_dir),
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    for _ in range(3):
+        port = free_port()
+        cmd = [
+            PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
+            str(script), str(out_dir), *args,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        # Under two pytest workers the port `free_port` saw free can be taken before torchrun's store
+        # binds it (EADDRINUSE at rendezvous, before any rank ran): another port, not a failure.
+        if not (proc.returncode != 0 and "EADDRINUSE" in proc.stderr and "rendezvous" in proc.stderr):
+            break
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{tail}")

@@ -37,17 +37,8 @@ def _rows(batch: TrainBatch, values: list[list[float]]) -> list[list[float]]:
 
 def token_rewards(actor: MegatronActor, batch: TrainBatch) -> list[list[float]]:
     """Per response token: the score on the last loss-masked token, minus the KL penalty."""
-    algo = actor.config.algorithm
     mask, _ = rl._padded([[float(m) for m in lm] for lm in batch.loss_masks])
-    scores = torch.tensor(
-        [s[0] if s else 0.0 for s in batch.per_token[rl.SCORES]], dtype=torch.float64
-    )  # the driver's score of each sample: its reward
-    penalty = None
-    if algo.kl_coef > 0:
-        old, _ = rl._padded(batch.per_token[rl.OLD_LOGP])
-        ref, _ = rl._padded(batch.per_token[rl.REF_LOGP])
-        penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
-    return _rows(batch, alg.terminal_rewards(scores, mask, penalty).tolist())
+    return _rows(batch, rl.terminal_token_rewards(actor, batch, mask).tolist())
 
 
 def whiten_over_dp(

@@ -229,6 +229,20 @@ def _gather_over_dp(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([part[: int(c)] for part, c in zip(parts, counts, strict=True)])
 
 
+def terminal_token_rewards(actor: MegatronActor, batch: TrainBatch, mask: torch.Tensor) -> torch.Tensor:
+    """Per padded response token: the sample's score (`SCORES`: raw reward, group-centred for the
+    REINFORCE++ baseline) on its last loss-masked token, minus the per-token KL penalty when
+    `algorithm.kl_coef` > 0. The token-level estimators' rewards (REINFORCE++ and PPO alike)."""
+    algo = actor.config.algorithm
+    kl_penalty = None
+    if algo.kl_coef > 0:
+        old, _ = _padded(batch.per_token[OLD_LOGP])
+        ref, _ = _padded(batch.per_token[REF_LOGP])
+        kl_penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
+    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[SCORES]], dtype=torch.float64)
+    return alg.terminal_rewards(scores, mask, kl_penalty)
+
+
 def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
     """REINFORCE++ and REINFORCE++-baseline (Hu et al. 2025): discounted returns of (final score -
     per-token KL penalty) over the loss-masked tokens, whitened over the whole batch's loss tokens
@@ -238,14 +252,7 @@ def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
     # (loss mask 0) are not actions, so they get no reward, no KL penalty, no return and stay out of
     # the whitening statistics; the score sits on the last loss-masked token.
     mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
-    kl_penalty = None
-    if algo.kl_coef > 0:
-        old, _ = _padded(batch.per_token[OLD_LOGP])
-        ref, _ = _padded(batch.per_token[REF_LOGP])
-        kl_penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
-    # The driver put the sample's score (raw reward; group-centred for the baseline) on every token.
-    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[SCORES]], dtype=torch.float64)
-    rewards = alg.terminal_rewards(scores, mask, kl_penalty)
+    rewards = terminal_token_rewards(actor, batch, mask)
     returns = alg.reinforce_plus_plus_returns(rewards, mask, algo.gamma)
     total, total_sq, count = alg.masked_moments(returns, mask)
     summed = _dp_sum(actor, {"s": float(total), "sq": float(total_sq), "n": float(count)})

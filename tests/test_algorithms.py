@@ -729,8 +729,10 @@ def _config(**algorithm: object) -> SlimConfig:
 
 
 def _actor(config: SlimConfig, all_reduce=None) -> SimpleNamespace:
-    """What `rl._token_level_advantages` uses of a `MegatronActor`: the config and the DP all-reduce."""
-    return SimpleNamespace(config=config, _sum_over_dp=all_reduce or (lambda values: dict(values)))
+    """What `rl._token_level_advantages` uses of a `MegatronActor`: the config and its step runner's
+    DP all-reduce."""
+    runner = SimpleNamespace(sum_over_dp=all_reduce or (lambda values: dict(values)))
+    return SimpleNamespace(config=config, runner=runner)
 
 
 class _ThreadAllReduce:

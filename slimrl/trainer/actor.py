@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,26 +18,17 @@ from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import read_model_arch
-from slimrl.megatron_bridge.megatron_config import BuildOptions, uniform_shapes
+from slimrl.megatron_bridge.megatron_config import BuildOptions
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.trainer import losses
-from slimrl.trainer.batch import (
-    MicroBatch,
-    TrainBatch,
-    collate,
-    collate_packed,
-    pad_micro_batch_count,
-    split_by_tokens,
-    split_fixed,
-)
+from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.critic import Critic
 from slimrl.trainer.distributed import RankInfo, check_groups_against_ledger, init_distributed, use_cuda
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
-from slimrl.trainer.numerics import NumericsGuard, grad_buffers
 from slimrl.trainer.offload import Offloader
+from slimrl.trainer.step import StepRunner
 from slimrl.trainer.weight_store import WeightStore
-from slimrl.utils import faults
 
 if TYPE_CHECKING:
     from slimrl.trainer.routing_replay import RoutingReplay
@@ -64,9 +53,7 @@ class MegatronActor:
         self.routing: RoutingReplay | None = None
         """MoE routing replay of the policy (`algorithm.routing_replay` only)."""
         self.steps_done = 0
-        self.oom_retries = 0
-        self.numerics: dict[int, NumericsGuard] = {}
-        """Per trained model (policy, critic): its non-finite gradient steps."""
+        self._runner: StepRunner | None = None
 
     # ---------------------------------------------------------------- set-up
     def setup(self, total_steps: int) -> dict[str, Any]:
@@ -92,6 +79,9 @@ class MegatronActor:
                 raise SlimError("algorithm.routing_replay=true needs parallel.cp=1 (context parallel: no)")
             self.routing = RoutingReplay(chunks, self.arch, self.layout.sequence_parallel)
         self.state = build_train_state(self.config, chunks, options, total_steps)
+        self._runner = StepRunner(
+            self.config, self.layout, options, self.state, self.routing, self.rank_info.rank
+        )
         self.weights = WeightStore(self.state.model)
         algo = self.config.algorithm
         if algo.loss == "policy" and (algo.kl_loss_coef > 0 or algo.kl_coef > 0):
@@ -126,190 +116,10 @@ class MegatronActor:
         assert self.state is not None, "setup() first"
         return self.state.model
 
-    def _packing(self) -> bool:
-        """Pack sequences into one row (block-diagonal mask) on the local attention path; TE's fused
-        attention needs THD packed-sequence params instead, so GPU runs pad minimally."""
-        assert self.options is not None
-        return not self.options.use_te and not uniform_shapes(self.layout, self.options)
-
-    def _micro_batches(self, batch: TrainBatch, max_tokens: int | None = None) -> list[MicroBatch]:
-        """Cut this rank's batch into micro-batches; every DP rank ends up with the same count (a
-        multiple of pp under VPP, padded with loss-free micro-batches)."""
-        train = self.config.train
-        budget = max_tokens or train.max_tokens_per_gpu
-        pack = False
-        if self.config.algorithm.true_on_policy:
-            # One sequence per micro-batch, unpadded: the exact shapes the engine rescored with.
-            parts = split_fixed(batch, 1)
-        elif budget:
-            pack = self._packing()
-            parts = split_by_tokens(batch, budget, packed=pack)
-        else:
-            parts = split_fixed(batch, train.micro_batch_size)
-        count = self._max_over_dp(len(parts))
-        if self.layout.vpp:  # the interleaved schedule runs micro-batches in groups of pp
-            count = -(-count // self.layout.pp) * self.layout.pp
-        parts = pad_micro_batch_count(parts, count)
-        # Sequence parallelism splits the sequence dimension over TP ranks.
-        multiple = self.layout.tp if self.layout.sequence_parallel else 1
-        if pack:
-            return [collate_packed(part, pad_to_multiple=multiple) for part in parts]
-        uniform = uniform_shapes(self.layout, self.options)  # the same [rows, length] for every one
-        same_length = max(len(t) for t in batch.tokens) if uniform else 0
-        same_rows = max(len(part) for part in parts) if uniform else 0
-        return [
-            collate(part, pad_to_multiple=multiple, min_length=same_length, min_rows=same_rows)
-            for part in parts
-        ]
-
-    def with_oom_retry(self, run, batch: TrainBatch, model: list[Any] | None = None):
-        """`run(micro_batches)` with OOM recovery: every rank agrees on failure (an all-reduced
-        flag), gradients (of `model`, default the policy) are dropped, and the step is redone with
-        micro-batches half as big, up to `train.oom_max_splits` times. Exact when the OOM strikes
-        outside a collective (the usual site in RL: the logits); a step is never silently skipped."""
-        import torch.distributed as dist
-
-        budget = self.config.train.max_tokens_per_gpu
-        for attempt in range(self.config.train.oom_max_splits + 1):
-            micro_batches = self._micro_batches(batch, max_tokens=budget)
-            failed = torch.zeros(1)
-            reason = ""
-            try:
-                result = run(micro_batches)
-            except torch.OutOfMemoryError as exc:
-                failed += 1
-                reason = str(exc).splitlines()[0]
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if not failed.item():
-                return result
-            largest = max(mb.num_tokens for mb in micro_batches)
-            budget = max(largest // 2, max(len(t) for t in batch.tokens))
-            self.oom_retries += 1
-            logger.warning(
-                "out of memory (%s, attempt %d); retrying with at most %d tokens per micro-batch",
-                reason or "on another rank",
-                attempt + 1,
-                budget,
-            )
-            for chunk in model or self._chunks:
-                chunk.zero_grad_buffer()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        raise SlimError(
-            f"out of memory even after {self.config.train.oom_max_splits} splits "
-            f"(train.oom_max_splits); lower train.max_tokens_per_gpu or check `slimrl plan`"
-        )
-
-    def _max_over_dp(self, value: int) -> int:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as mpu
-
-        tensor = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(
-            tensor, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group(with_context_parallel=True)
-        )
-        return int(tensor.item())
-
-    def _forward_backward(
-        self,
-        micro_batches: list[MicroBatch],
-        loss_fn,
-        forward_only: bool,
-        with_labels: bool = True,
-        model: list[Any] | None = None,
-    ) -> list[dict]:
-        """Megatron's pipeline schedule over `model`'s chunks (default: the policy's)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        chunks = model or self._chunks
-        inject = self.config.train.inject_oom_above_tokens
-        # The critic routes on its own; a disabled replay lets the policy's routers choose too.
-        routing = self.routing
-        replay = routing if chunks is self._chunks and routing is not None and routing.enabled else None
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            if inject is not None and mb.num_tokens > inject:
-                raise torch.OutOfMemoryError(f"injected: micro-batch of {mb.num_tokens} tokens")
-            if replay is not None:
-                replay.set_targets(model, mb)
-            labels = mb.labels_BS if with_labels else None
-            output = model(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
-            return output, partial(loss_fn, mb)
-
-        iterators = [iter(micro_batches) for _ in chunks]
-        longest = max(mb.tokens_BS.shape[1] for mb in micro_batches)
-        if replay is not None:
-            assert self.options is not None
-            replay.start(recompute_in_backward=not forward_only and self.options.recompute == "full")
-        try:
-            return get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=chunks,
-                num_microbatches=len(micro_batches),
-                seq_length=longest,
-                micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
-                forward_only=forward_only,
-            )
-        finally:
-            if replay is not None:
-                replay.finish()
-
-    def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as mpu
-
-        keys = sorted(values)
-        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(
-            packed, group=mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
-        )
-        return dict(zip(keys, packed.tolist(), strict=True))
-
-    # ---------------------------------------------------------------- training
-    def optimizer_step(
-        self,
-        batch: TrainBatch,
-        loss_for: Callable[[int], Callable[[MicroBatch, Any], Any]],
-        state: TrainState | None = None,
-        with_labels: bool = True,
-    ) -> tuple[list[dict], bool, Any]:
-        """Zero the gradients, forward/backward over `batch` (with OOM recovery), one optimizer and
-        scheduler step, for the policy or another model's `state` (the critic). `loss_for(n)` is
-        the loss for an attempt cut into n micro-batches: its scale depends on the count, which an
-        OOM re-split changes. Returns the micro-batch reports, whether the update was applied and
-        the gradient norm."""
-        state = state or self.state
-        assert state is not None, "setup() first"
-
-        def run(micro_batches: list[MicroBatch]) -> list[dict]:
-            loss_fn = loss_for(len(micro_batches))
-            return self._forward_backward(
-                micro_batches, loss_fn, forward_only=False, with_labels=with_labels, model=state.model
-            )
-
-        for chunk in state.model:
-            chunk.zero_grad_buffer()
-        state.optimizer.zero_grad()
-        reports = self.with_oom_retry(run, batch, model=state.model)
-        guard = self.numerics.setdefault(id(state), NumericsGuard(self.config.train.max_nonfinite_steps))
-        guard.steps += 1
-        faults.nonfinite_grad(list(grad_buffers(state.model)), guard.steps, self.rank_info.rank)  # a test's
-        if not guard.gradients_finite(state.model):  # skipped on every rank: nothing applied
-            for chunk in state.model:
-                chunk.zero_grad_buffer()
-            state.optimizer.zero_grad()
-            return reports, False, float("nan")
-        ok, grad_norm, _ = state.optimizer.step()
-        if ok:
-            state.scheduler.step(increment=1)
-        return reports, ok, grad_norm
-
     @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients, every model of this actor."""
-        return sum(guard.skipped for guard in self.numerics.values())
+    def runner(self) -> StepRunner:
+        assert self._runner is not None, "setup() first"
+        return self._runner
 
     # ---------------------------------------------------------------- training
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -325,23 +135,18 @@ class MegatronActor:
             scale = losses.loss_scale(num_micro_batches, dp, batch.global_num_tokens)
             return lambda mb, output: losses.sft_loss(output, mb.loss_mask_BS, scale)
 
-        reports, ok, grad_norm = self.optimizer_step(batch, loss_for)
+        result = self.runner.optimizer_step(batch, loss_for)
         self.steps_done += 1
         metrics: dict[str, float] = {
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": result.grad_norm,
             "lr": self.state.optimizer.param_groups[0]["lr"],
-            "update_ok": float(ok),
-            "skipped_steps": float(self.skipped_steps),
-            "oom_retries": float(self.oom_retries),
+            "update_ok": float(result.applied),
+            "skipped_steps": float(self.runner.skipped_steps),
+            "oom_retries": float(self.runner.oom_retries),
             "seconds": time.perf_counter() - start,
         }
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            summed = self._sum_over_dp(
-                {
-                    "loss_sum": sum(float(r["loss_sum"]) for r in reports),
-                    "tokens": sum(float(r["tokens"]) for r in reports),
-                }
-            )
+            summed = self.runner.summed_reports(result.reports)
             metrics["loss"] = summed["loss_sum"] / max(summed["tokens"], 1.0)
             metrics["tokens"] = summed["tokens"]
         return metrics

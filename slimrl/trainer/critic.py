@@ -24,7 +24,8 @@ import torch
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_train_state
 from slimrl.trainer.offload import Offloader
-from slimrl.trainer.rl import last_pipeline_stage, megatron_scaled
+from slimrl.trainer.rl import last_pipeline_stage
+from slimrl.trainer.step import token_means
 
 if TYPE_CHECKING:
     from slimrl.config.schema import SlimConfig
@@ -89,21 +90,11 @@ class Critic:
     # ---------------------------------------------------------------- passes
     def values(self, actor: MegatronActor, batch: TrainBatch) -> dict[int, list[float]]:
         """Forward-only: per-sample values of the response tokens (last pipeline stage only)."""
-        captured: dict[int, list[float]] = {}
-        model = self.state.model
 
-        def capture(mb: MicroBatch, output: torch.Tensor):
-            captured.update(mb.per_sequence(output[..., 0].float()))
-            return output.sum() * 0.0, {}
+        def keep(mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"values": output[..., 0].float()}
 
-        with torch.no_grad():
-            actor.with_oom_retry(
-                lambda mbs: actor._forward_backward(mbs, capture, True, with_labels=False, model=model),
-                batch,
-                model=model,
-            )
-        captured.pop(-1, None)
-        return captured
+        return actor.runner.forward_only(batch, keep, self.state).get("values", {})
 
     def train_step(
         self, actor: MegatronActor, batch: TrainBatch, fused: bool
@@ -119,7 +110,8 @@ class Critic:
         """
         start = time.perf_counter()
         state, algo, clip = self.state, self.config.algorithm, self.config.critic.value_clip
-        global_tokens = actor._sum_over_dp({"tokens": float(sum(sum(m) for m in batch.loss_masks))})["tokens"]
+        local_tokens = float(sum(sum(m) for m in batch.loss_masks))
+        global_tokens = actor.runner.sum_over_dp({"tokens": local_tokens})["tokens"]
         advantages: dict[int, list[float]] = {}
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor, megatron_scale: int):
@@ -144,20 +136,15 @@ class Critic:
             }
             return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
-        reports, _, grad_norm = actor.optimizer_step(
-            batch, megatron_scaled(actor, loss_fn), state=state, with_labels=False
+        result = actor.runner.optimizer_step(
+            batch, actor.runner.megatron_scaled(loss_fn), state=state, with_labels=False
         )
         metrics = {
-            "train/critic_grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/critic_grad_norm": result.grad_norm,
             "train/critic_lr": state.optimizer.param_groups[0]["lr"],
         }
         if last_pipeline_stage():
-            keys = sorted({k for r in reports for k in r})
-            summed = actor._sum_over_dp({k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
-            tokens = max(summed.pop("tokens", 0.0), 1.0)
-            for key, value in summed.items():  # sums of per-token values become token means
-                per_token = key.endswith("_sum")
-                metrics[f"train/{key.removesuffix('_sum')}"] = value / tokens if per_token else value
+            metrics.update(token_means(actor.runner.summed_reports(result.reports), "train/"))
         metrics["perf/critic_seconds"] = time.perf_counter() - start
         advantages.pop(-1, None)
         return metrics, advantages

@@ -48,7 +48,7 @@ def whiten_over_dp(
     values, _ = rl._padded(advantages)
     mask, _ = rl._padded([[float(m) for m in lm] for lm in batch.loss_masks])
     total, total_sq, count = alg.masked_moments(values, mask)
-    summed = actor._sum_over_dp({"s": float(total), "sq": float(total_sq), "n": float(count)})
+    summed = actor.runner.sum_over_dp({"s": float(total), "sq": float(total_sq), "n": float(count)})
     mean, var = alg.mean_var_from_moments(
         torch.tensor(summed["s"], dtype=torch.float64),
         torch.tensor(summed["sq"], dtype=torch.float64),

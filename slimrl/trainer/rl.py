@@ -11,7 +11,6 @@ every loss is computed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +19,7 @@ from slimrl import estimators
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.batch import MicroBatch, TrainBatch
 from slimrl.trainer.logprobs import token_logprobs
+from slimrl.trainer.step import token_means
 
 if TYPE_CHECKING:
     from slimrl.config.schema import AlgorithmConfig, SlimConfig
@@ -64,23 +64,13 @@ def policy_logprobs(
 def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: bool = False) -> dict[str, Any]:
     """Forward-only pass: per-sample response-token logprobs (and entropy) on the last stage."""
     check_routing(actor, batch)
-    captured: dict[int, list[float]] = {}
-    entropies: dict[int, list[float]] = {}
 
-    def capture(mb: MicroBatch, output: torch.Tensor):
+    def keep(mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         logp, entropy = policy_logprobs(actor, mb, output, with_entropy)
-        captured.update(mb.per_sequence(logp))
-        if entropy is not None:
-            entropies.update(mb.per_sequence(entropy))
-        return output.sum() * 0.0, {}
+        return {"logprobs": logp} if entropy is None else {"logprobs": logp, "entropy": entropy}
 
-    with torch.no_grad():
-        actor.with_oom_retry(
-            lambda mbs: actor._forward_backward(mbs, capture, forward_only=True, with_labels=False), batch
-        )
-    captured.pop(-1, None)
-    entropies.pop(-1, None)
-    return {"logprobs": captured, "entropy": entropies}
+    kept = actor.runner.forward_only(batch, keep)
+    return {"logprobs": kept.get("logprobs", {}), "entropy": kept.get("entropy", {})}
 
 
 def _attach(batch: TrainBatch, key: str, per_sample: dict[int, list[float]]) -> None:
@@ -88,10 +78,6 @@ def _attach(batch: TrainBatch, key: str, per_sample: dict[int, list[float]]) -> 
     batch.per_token[key] = [
         per_sample.get(i, [0.0] * batch.response_lengths[k]) for k, i in enumerate(batch.ids)
     ]
-
-
-def _dp_sum(actor: MegatronActor, values: dict[str, float]) -> dict[str, float]:
-    return actor._sum_over_dp(values) if values else {}
 
 
 def check_routing(actor: MegatronActor, batch: TrainBatch) -> None:
@@ -193,7 +179,7 @@ def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     rollout_lp, _ = _padded(batch.per_token[ROLLOUT_LOGP])
     mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
     sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
-    reduced = _dp_sum(actor, {k: float(v) for k, v in sums.items()})
+    reduced = actor.runner.sum_over_dp({k: float(v) for k, v in sums.items()})
     metrics = alg.mismatch_metrics({k: torch.tensor(v, dtype=torch.float64) for k, v in reduced.items()})
     return metrics | _mismatch_spread((train_lp - rollout_lp).abs()[mask > 0])
 
@@ -255,7 +241,7 @@ def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
     rewards = terminal_token_rewards(actor, batch, mask)
     returns = alg.reinforce_plus_plus_returns(rewards, mask, algo.gamma)
     total, total_sq, count = alg.masked_moments(returns, mask)
-    summed = _dp_sum(actor, {"s": float(total), "sq": float(total_sq), "n": float(count)})
+    summed = actor.runner.sum_over_dp({"s": float(total), "sq": float(total_sq), "n": float(count)})
     f64 = torch.float64  # the moments are float64 sums; a default float32 tensor would round them
     mean, var = alg.mean_var_from_moments(
         torch.tensor(summed["s"], dtype=f64),
@@ -365,24 +351,12 @@ def rl_loss(
     return loss, report
 
 
-def megatron_scaled(actor: MegatronActor, loss_fn: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
-    """`loss_fn(mb, output, scale)` as `optimizer_step` wants it. Each micro-batch's loss is already
-    divided by the step's global normaliser; Megatron's schedule divides by the micro-batch count
-    and DDP averages over data-parallel (and context-parallel) ranks, which the scale undoes."""
-
-    def loss_for(num_micro_batches: int) -> Callable[..., Any]:
-        scale = num_micro_batches * actor.layout.dp * actor.layout.cp
-        return lambda mb, output: loss_fn(mb, output, scale)
-
-    return loss_for
-
-
 def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     """One optimizer step on `batch` with the configured policy loss."""
     algo = actor.config.algorithm
     state = actor.state
     assert state is not None
-    global_counts = _dp_sum(actor, step_counts(batch.loss_masks))
+    global_counts = actor.runner.sum_over_dp(step_counts(batch.loss_masks))
     norm_tokens = loss_normaliser_tokens(actor.config)
     need_entropy = True  # entropy is reported every step, whether or not it is in the loss
     fused_diffs: dict[int, list[float]] = {}
@@ -407,33 +381,27 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         )
         return loss * megatron_scale, {k: v.detach().clone() for k, v in report.items()}
 
-    reports, ok, grad_norm = actor.optimizer_step(batch, megatron_scaled(actor, loss_fn), with_labels=False)
+    result = actor.runner.optimizer_step(batch, actor.runner.megatron_scaled(loss_fn), with_labels=False)
     metrics = {
-        "train/update_ok": float(ok),  # skipped: gradients not finite (trainer/numerics.py)
-        "train/skipped_steps": float(actor.skipped_steps),
-        "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "train/update_ok": float(result.applied),  # skipped: gradients not finite (trainer/numerics.py)
+        "train/skipped_steps": float(actor.runner.skipped_steps),
+        "train/grad_norm": result.grad_norm,
         "train/lr": state.optimizer.param_groups[0]["lr"],
-        "train/oom_retries": float(actor.oom_retries),
+        "train/oom_retries": float(actor.runner.oom_retries),
     }
     metrics.update(routing_disagreement(actor))  # when this was the measured forward
     if last_pipeline_stage():
-        keys = sorted({k for r in reports for k in r})
-        summed = _dp_sum(actor, {k: float(sum(float(r.get(k, 0.0)) for r in reports)) for k in keys})
+        summed = actor.runner.summed_reports(result.reports)
         mismatch = {
             key.removeprefix(MISMATCH): torch.tensor(summed.pop(key), dtype=torch.float64)
-            for key in keys
+            for key in sorted(summed)
             if key.startswith(MISMATCH)
         }
         if mismatch:
             metrics.update(alg.mismatch_metrics(mismatch))
             diffs = [v for values in fused_diffs.values() for v in values if v == v]  # v == v: not nan
             metrics.update(_mismatch_spread(torch.tensor(diffs, dtype=torch.float64)))
-        tokens = max(summed.pop("tokens", 0.0), 1.0)
-        for key, value in summed.items():
-            if key.endswith("_sum"):
-                metrics[f"train/{key[:-4]}"] = value / tokens
-            else:
-                metrics[f"train/{key}"] = value
+        metrics.update(token_means(summed, "train/"))
     return metrics
 
 

@@ -1,5 +1,6 @@
 """The RL loop against the real SGLang 0.5.23 server on CPU (the referee): GRPO colocated over
-shared memory, disaggregated and asynchronous over a broadcast group, and over disk; an engine
+shared memory, disaggregated and asynchronous over a broadcast group, and (the learning run) over
+disk; an engine
 killed mid-run is restarted and re-synced. The learning run (colocated) and the disaggregated one
 replay the engine's MoE routing under EP2 (`algorithm.routing_replay`). The order of the control
 calls each engine received is read from its own access log; colocated SGLang runs its real memory
@@ -160,33 +161,20 @@ def test_grpo_async_disaggregated_distributed_against_real_sglang(tmp_path, tiny
     assert calls == sync("init_weights_update_group") + sync() * steps
 
 
-def test_grpo_disk_against_real_sglang_keeps_one_version(tmp_path, tiny_model, mod_sum_data):
-    steps = 3
-    metrics = run(
-        tmp_path, "sglang_disk", tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
-        f"train.num_steps={steps}", "rollout.weight_sync=disk", "rollout.num_engines=1",
-    )  # fmt: skip
-    assert max(r["train/train_rollout_logprob_abs_diff"] for r in metrics) < SYNCED
-    versions = sorted(p.name for p in (tmp_path / "sglang_disk" / "weight_sync").iterdir())
-    assert versions == [f"v{steps}"]  # the start push (v0) and every later one pruned
-    # colocated: released memory, resumed for the update, then the KV cache; a push before step 1
-    sync = ["release_memory_occupation", "pause_generation", "resume_memory_occupation",
-            "update_weights_from_disk", "flush_cache", "resume_memory_occupation",
-            "continue_generation"]  # fmt: skip
-    assert control_calls(tmp_path / "sglang_disk" / "logs" / "engine0.log") == sync * (steps + 1)
-
-
-def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
+def test_grpo_learns_against_real_sglang_over_disk_keeping_one_version(tmp_path, tiny_model, mod_sum_data):
     """The reward rises with real SGLang generating, as with the embedded engine, and the engine's
-    logprobs stay the trainer's after every one of the updates that made it rise."""
-    steps = 30
+    logprobs stay the trainer's after every one of the updates that made it rise. The updates go
+    over disk (`rollout.weight_sync=disk`: SGLang reloads each version from its files), so this run
+    also proves that transport against real SGLang: one version kept, and the engine's own log
+    shows the colocated order for a disk update at every step."""
+    steps, name = 30, "sglang_learns"
     metrics = run(
-        tmp_path, "sglang_learns", tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
+        tmp_path, name, tiny_model("qwen3_moe"), mod_sum_data, "rollout.engine=sglang",
         f"train.num_steps={steps}", "rollout.num_engines=1", "rollout.rollout_batch_size=64",
         "rollout.n_samples_per_prompt=8", "train.optimizer.lr=1e-3", "checkpoint.save_interval=null",
         "algorithm.routing_replay=true",  # EP2 (the demo config's), colocated
+        "rollout.weight_sync=disk",
     )  # fmt: skip
-    assert_sglang_log(tmp_path / "sglang_learns" / "logs" / "engine0.log")
     reward = [r["rollout/raw_reward"] for r in metrics]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     print("real SGLang GRPO: first-10", first, "last-10", last)
@@ -200,6 +188,14 @@ def test_grpo_learns_against_real_sglang(tmp_path, tiny_model, mod_sum_data):
     assert [r["train/routing_disagreement"] for r in metrics] == [0.0] * steps
     assert max(r["train/train_rollout_logprob_abs_diff_max"] for r in metrics) < REPLAYED_MAX
     assert all(r["train/train_rollout_prob_ratio_median"] == pytest.approx(1.0, abs=SYNCED) for r in metrics)
+
+    versions = sorted(p.name for p in (tmp_path / name / "weight_sync").iterdir())
+    assert versions == [f"v{steps}"]  # the start push (v0) and every later one pruned
+    # colocated: released memory, resumed for the update, then the KV cache; a push before step 1
+    sync = ["release_memory_occupation", "pause_generation", "resume_memory_occupation",
+            "update_weights_from_disk", "flush_cache", "resume_memory_occupation",
+            "continue_generation"]  # fmt: skip
+    assert control_calls(tmp_path / name / "logs" / "engine0.log") == sync * (steps + 1)
 
 
 def test_a_corrupted_update_is_pushed_again_then_stops_the_run_naming_the_tensor(

@@ -188,6 +188,17 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
             "algorithm.loss_reduction=seq_mean_token_sum_norm: advantage_estimator=gspo",
         ),
         (
+            ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_mean",
+             "algorithm.policy_loss=cispo"],
+            "algorithm.policy_loss=cispo: CISPO weights each token; advantage_estimator=gspo has a "
+            "sequence-level ratio, which only policy_loss=ppo_clip defines",
+        ),  # fmt: skip
+        (
+            ["algorithm.policy_loss=cispo", "algorithm.dual_clip_c=3.0"],
+            "algorithm.dual_clip_c=3.0: the dual clip bounds PPO's clipped ratio; policy_loss=cispo has none",
+        ),
+        (["algorithm.policy_loss=ppo"], "algorithm.policy_loss"),
+        (
             ["algorithm.advantage_estimator=rloo", "rollout.n_samples_per_prompt=1"],
             "rollout.n_samples_per_prompt=1: rloo needs groups of at least 2 samples",
         ),

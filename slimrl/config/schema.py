@@ -269,12 +269,16 @@ class AlgorithmConfig:
     """Group std of GRPO/GSPO: `unbiased` (divides by n-1) or `population` (by n). Unbiased is the
     default because the GRPO implementations hyperparameters are usually ported from (TRL, verl,
     OpenRLHF, slime) all use it; population gives advantages larger by sqrt(n/(n-1))."""
+    policy_loss: str = "ppo_clip"
+    """The per-token surrogate: `ppo_clip` (PPO's clipped ratio; sequence-level for gspo) or `cispo`
+    (MiniMax-M1's clipped, detached importance weight times A log pi: clipped tokens keep their
+    gradient); `slimrl/policy_losses.py` names them, docs/trainer.md gives the formulas."""
     eps_clip: float = 0.2
-    """Lower PPO clip range."""
+    """Lower clip range (of the ratio for `ppo_clip`, of the importance weight for `cispo`)."""
     eps_clip_high: float | None = None
     """Upper clip range (DAPO clip-higher); null uses eps_clip."""
     dual_clip_c: float | None = None
-    """Dual-clip constant (> 1) for negative advantages; null disables."""
+    """Dual-clip constant (> 1) for negative advantages (`ppo_clip` only); null disables."""
     loss_reduction: str = "token_mean"
     """How per-token losses (policy, KL loss, entropy) become the step loss: `token_mean` over all loss
     tokens of the step (DAPO's token-level loss), `seq_mean_token_mean` (mean over sequences of each

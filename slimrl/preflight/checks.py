@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from slimrl import estimators
+from slimrl import estimators, policy_losses
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.device import resolve_device
 from slimrl.errors import ConfigError
+from slimrl.policy_losses import PolicyLoss
 
 if TYPE_CHECKING:
     from slimrl.model_arch import ModelArch
@@ -30,6 +31,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "rollout.router.policy": ("round_robin", "cache_aware", "power_of_two", "random"),
     "algorithm.loss": ("policy", "sft"),
     "algorithm.advantage_estimator": estimators.names(),
+    "algorithm.policy_loss": policy_losses.names(),
     "algorithm.loss_reduction": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "algorithm.grpo_std": ("unbiased", "population"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
@@ -534,6 +536,16 @@ def _check_estimator(config: SlimConfig) -> None:
         raise ConfigError(
             f"algorithm.loss_reduction={algo.loss_reduction}: advantage_estimator=gspo is the mean over "
             "sequences of the sequence-level objective; set algorithm.loss_reduction=seq_mean_token_mean"
+        )
+    if algo.policy_loss == PolicyLoss.CISPO and traits.sequence_ratio:
+        raise ConfigError(
+            f"algorithm.policy_loss=cispo: CISPO weights each token; advantage_estimator={estimator} has a "
+            "sequence-level ratio, which only policy_loss=ppo_clip defines"
+        )
+    if algo.policy_loss == PolicyLoss.CISPO and algo.dual_clip_c is not None:
+        raise ConfigError(
+            f"algorithm.dual_clip_c={algo.dual_clip_c}: the dual clip bounds PPO's clipped ratio; "
+            "policy_loss=cispo has none, set dual_clip_c to null"
         )
     if not algo.normalize_std and not traits.std_choice:
         with_std = "/".join(estimators.names(lambda t: t.std_choice))

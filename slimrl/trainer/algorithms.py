@@ -26,6 +26,7 @@ import torch
 from slimrl import estimators
 from slimrl.errors import ConfigError
 from slimrl.estimators import Estimator
+from slimrl.policy_losses import PolicyLoss
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 Level = Literal["token", "sequence"]
@@ -485,6 +486,27 @@ def _clipped_surrogate(
     return torch.where(dual_active, cap, loss), clip_active, dual_active
 
 
+def _cispo_surrogate(
+    ratio_BS: torch.Tensor,
+    advantages_BS: torch.Tensor,
+    logp_BS: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's per-token loss (MiniMax-M1, 2025, eq. 4): -sg(clip(r, 1 - eps, 1 + eps_high)) A log pi.
+    The weight is clipped and detached, so a clipped token still gets the gradient -w A d log pi
+    (PPO's clip zeroes it); returns the loss and where the weight was clipped."""
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    weight = ratio_BS.detach().clamp(1.0 - eps_clip, 1.0 + high)
+    clipped = (ratio_BS.detach() < 1.0 - eps_clip) | (ratio_BS.detach() > 1.0 + high)
+    return -weight * advantages_BS * logp_BS, clipped
+
+
+SURROGATES: tuple[PolicyLoss, ...] = (PolicyLoss.PPO_CLIP, PolicyLoss.CISPO)
+"""The policy losses `policy_loss` computes (`slimrl/policy_losses.py` names them; a test holds the
+two to the same members)."""
+
+
 def policy_loss(
     logp_BS: torch.Tensor,
     old_logp_BS: torch.Tensor,
@@ -501,8 +523,10 @@ def policy_loss(
     global_seqs: float | None = None,
     norm_tokens: float | None = None,
     is_weights_BS: torch.Tensor | None = None,
+    surrogate: PolicyLoss | str = PolicyLoss.PPO_CLIP,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss (PPO/GRPO/DAPO at token level, GSPO at sequence level).
+    """Clipped policy-gradient loss (PPO/GRPO/DAPO at token level, GSPO at sequence level), or with
+    `surrogate="cispo"` CISPO's clipped importance weight (token level only).
 
     Returns (loss, stats): the loss is this micro-batch's sum divided by the global normaliser of
     `reduction` (see `reduce_loss`), so micro-batch losses add up to the step loss. Stats are local and
@@ -518,6 +542,9 @@ def policy_loss(
     are replaced by 0 before any arithmetic: loss and gradient stay finite for any input.
     """
     _check_choice("level", level, _LEVELS)
+    _check_choice("algorithm.policy_loss", surrogate, tuple(SURROGATES))
+    if surrogate == PolicyLoss.CISPO and (level != "token" or dual_clip_c is not None):
+        raise ConfigError("algorithm.policy_loss=cispo: token level only, without dual_clip_c")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ConfigError(f"algorithm.dual_clip_c={dual_clip_c}: must be > 1")
     if level == "sequence" and reduction != "seq_mean_token_mean":
@@ -540,9 +567,15 @@ def policy_loss(
     else:
         log_ratio = token_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
-    loss_BS, clip_active, dual_active = _clipped_surrogate(
-        ratio, advantages, eps_clip, eps_clip_high, dual_clip_c
-    )
+    if surrogate == PolicyLoss.CISPO:
+        loss_BS, clip_active = _cispo_surrogate(
+            ratio, advantages, _masked(logp_BS, mask), eps_clip, eps_clip_high
+        )
+        dual_active = torch.zeros_like(clip_active)
+    else:
+        loss_BS, clip_active, dual_active = _clipped_surrogate(
+            ratio, advantages, eps_clip, eps_clip_high, dual_clip_c
+        )
     if is_weights_BS is not None:
         loss_BS = loss_BS * _masked(is_weights_BS.detach(), mask)
     loss = reduce_loss(
@@ -754,6 +787,7 @@ def masked_is(
 
 __all__ = [
     "SAMPLE_SCORES",
+    "SURROGATES",
     "entropy_bonus",
     "gae",
     "gae_vectorised",

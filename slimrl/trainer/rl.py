@@ -331,6 +331,7 @@ def rl_loss(
         level="sequence" if estimators.traits(algo.advantage_estimator).sequence_ratio else "token",
         global_tokens=global_tokens,
         is_weights_BS=is_weights,
+        surrogate=algo.policy_loss,
         **reduce,
     )
     loss = pg

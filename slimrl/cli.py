@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from slimrl.errors import ConfigError, SlimError
-from slimrl.utils.cli_args import OneLineParser, non_negative_int, port, positive_int
+from slimrl.utils.cli_args import OneLineParser, non_negative_int, port, positive_float, positive_int
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -39,7 +39,13 @@ def _rollout(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     """Print the per-GPU memory plans of the trainer and of one rollout engine; a layout that cannot
-    fit exits 2 with one line on stderr (an engine that does not fit is refused at load)."""
+    fit exits 2 with one line on stderr (an engine that does not fit is refused at load). With
+    --time (or --compare / --search): the step time instead, phase by phase."""
+    if args.time or args.compare or args.search:
+        _plan_time(args)
+        return
+    if args.json:
+        raise ConfigError("--json: prints the step-time plan; use it with --time, --compare or --search")
     from slimrl.planning.engine_plan import check_config_engines, plan_engine
     from slimrl.planning.memory_plan import check_fits, plan
     from slimrl.preflight import load_config
@@ -52,6 +58,43 @@ def _plan(args: argparse.Namespace) -> None:
         print("\n" + engine.render(), flush=True)
         check_config_engines(config)  # already at load, unless --device cuda plans a CPU config
     check_fits(memory)
+
+
+def _plan_time(args: argparse.Namespace) -> None:
+    """`slimrl plan CONFIG --time`: docs/step_time.md."""
+    from slimrl.planning import step_time_report as report
+    from slimrl.planning.gpus import gpu_spec
+    from slimrl.planning.step_time import check_workload
+    from slimrl.preflight import load_config
+
+    prompt, response = check_workload(args.prompt_tokens, args.response_tokens)
+    config = load_config(args.config, args.overrides)
+    if args.gpu is None and config.cluster.device == "cpu":
+        raise ConfigError(
+            "--gpu: this config runs on CPU (cluster.device=cpu); give --gpu NAME to plan it on GPUs "
+            "(bench/bench_step_time.py times the CPU twin from this machine's measured peaks)"
+        )
+    gpu = gpu_spec(args.gpu or "H100")
+    if args.search:
+        ranked, counts = report.search(config, gpu, prompt, response, args.longest_response)
+        if args.json:
+            rows = [{"layout": r.layout, "overrides": r.candidate.overrides(), "memory_gib": r.memory_gib,
+                     **r.result.as_json()} for r in ranked]  # fmt: skip
+            print(json.dumps({"counts": counts, "ranked": rows}), flush=True)
+        else:
+            print(report.render_search(ranked, counts, config), flush=True)
+        return
+    result = report.time_config(config, gpu, prompt, response, args.longest_response)
+    if args.compare:
+        other = load_config(args.compare, args.overrides)
+        second = report.time_config(other, gpu, prompt, response, args.longest_response)
+        if args.json:
+            print(json.dumps({"a": result.as_json(), "b": second.as_json()}), flush=True)
+        else:
+            print(report.render_compare(("A", "B"), result, second), flush=True)
+            print(f"\nA: {args.config}\nB: {args.compare}", flush=True)
+        return
+    print(json.dumps(result.as_json()) if args.json else report.render(config, result), flush=True)
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -124,6 +167,7 @@ def _serve(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from slimrl.conversion.cli import build_parser as convert_parser
     from slimrl.data.toy_tasks import TASKS
+    from slimrl.planning.gpus import GPUS
 
     parser = OneLineParser(prog="slimrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +205,40 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cuda", "cpu"],
         default=None,
         help="plan for this device (default: cluster.device; `auto` resolves on this machine)",
+    )
+    plan.add_argument(
+        "--time",
+        action="store_true",
+        help="predict each phase of an RL step and the step (docs/step_time.md); needs --prompt-tokens "
+        "and --response-tokens",
+    )
+    plan.add_argument(
+        "--gpu",
+        type=str.upper,
+        choices=list(GPUS),
+        default=None,
+        help="GPU of the cluster for --time (default: H100)",
+    )
+    plan.add_argument(
+        "--prompt-tokens", type=positive_float, default=None, help="mean prompt tokens per sample"
+    )
+    plan.add_argument(
+        "--response-tokens", type=positive_float, default=None, help="mean generated tokens per sample"
+    )
+    plan.add_argument(
+        "--longest-response",
+        type=positive_float,
+        default=None,
+        help="longest response of a step in tokens (default: the cap, rollout.sampling.max_new_tokens)",
+    )
+    plan.add_argument("--json", action="store_true", help="with --time/--compare/--search: JSON on stdout")
+    plan.add_argument(
+        "--compare", default=None, metavar="CONFIG_B", help="--time of CONFIG and CONFIG_B side by side"
+    )
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help="rank the layouts of the config's model and cluster that fit memory by predicted step time",
     )
     plan.set_defaults(handler=_plan)
 
@@ -243,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         from slimrl.conversion.cli import main as convert_main
 
         return convert_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `plan CONFIG --time key=value`: argparse stops taking positionals after a flag
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         args.handler(args)
     except SlimError as exc:

@@ -40,6 +40,7 @@ FREE_FORM = {
     "hf_dir": "an HF checkpoint directory: convert refuses one without config.json in one line",
     "ckpt": "a torch_dist checkpoint: convert refuses a missing or partial one in one line",
     "hf_config_dir": "an HF directory with config.json: convert refuses one without it",
+    "compare": "a YAML file (plan --compare): the loader refuses a missing or malformed one in one line",
 }
 BAD = {
     port: "0",

@@ -34,8 +34,9 @@ NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix"}
 """Modules that build network-namespace hosts: under `-n 2` they take turns (`network_hosts`)."""
 
 MODULE_SECONDS = {
-    "test_rl_e2e": 2041,
-    "test_rl_sglang": 1480,
+    "test_rl_sglang": 1292,
+    "test_demo": 1090,
+    "test_rl_e2e": 951,
     "test_slurm_multinode": 656,
     "test_engine_contract": 559,
     "test_convert": 545,

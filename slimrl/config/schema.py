@@ -196,6 +196,17 @@ class RolloutConfig:
     group only if the population std of its rewards exceeds this (0: any two different rewards)."""
     buffer_filter_path: str | None = None
     """`module.func(config, buffer, n) -> list of groups` drawn from the partial-rollout buffer."""
+    agent_function_path: str | None = None
+    """`module.func`: `async def run_agent(base_url, api_key, task) -> float | dict`, an agent written
+    against the OpenAI API, run `n_samples_per_prompt` times per prompt against an OpenAI-compatible
+    endpoint of slimrl's (one session per run); its return value is the reward, and every completion
+    it asked for becomes training tokens exactly as sampled (docs/agentic.md)."""
+    agent_timeout_s: float = 600.0
+    """An agent run longer than this becomes a failed sample (its session closes)."""
+    agent_tool_call_parser: str = "qwen25"
+    """SGLang's tool-call parser for the model's output format (its `--tool-call-parser` names:
+    `qwen25`, `hermes`, `llama3`, `deepseekv3`, `kimi_k2`, ...): turns `<tool_call>` text into OpenAI
+    `tool_calls`. The tiny models of `slimrl make-tiny` use `qwen25`'s format."""
     update_weight_buffer_bytes: int = 512 * 1024**2
     """Bucket size of the streaming weight sync."""
     weight_sync: str = "auto"

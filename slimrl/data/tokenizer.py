@@ -35,12 +35,43 @@ UNKNOWN_CHAR_REPLACEMENT = "?"
 MODEL_MAX_LENGTH = 512
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""Qwen's ChatML layout without tools or thinking: enough for single-turn toy prompts."""
+"""Qwen2.5's ChatML layout, tools included, without its default system prompt (so a conversation
+without tools renders exactly as plain ChatML): with `tools` a system turn lists their JSON schemas
+in `<tools></tools>`; an assistant turn's tool calls are `<tool_call>\\n{"name": ..., "arguments":
+...}\\n</tool_call>` (the format SGLang's `qwen25` tool-call parser reads, what
+`rollout.agent_tool_call_parser` names by default), and tool results are a user turn of
+`<tool_response>` blocks. Short on purpose: one character is one token and the model has 512
+positions."""
 
 
 def vocab() -> dict[str, int]:

@@ -117,6 +117,7 @@ RANGES: dict[str, Range] = {
     "rollout.over_sampling_batch_size": _AT_LEAST_1,
     "rollout.max_concurrency": _AT_LEAST_1,
     "rollout.request_timeout_s": _ABOVE_0,
+    "rollout.agent_timeout_s": _ABOVE_0,
     "rollout.dynamic_sampling_std_threshold": _AT_LEAST_0,
     "rollout.update_weight_buffer_bytes": _AT_LEAST_1,
     "rollout.weight_sync_timeout_s": _ABOVE_0,
@@ -226,6 +227,7 @@ def check_config(config: SlimConfig) -> None:
     _check_critic(config)
     _check_training(config)
     _check_rewards(config)
+    _check_agent(config)
     _check_hooks(config)
     _check_data(config)
 
@@ -711,12 +713,44 @@ def _check_rewards(config: SlimConfig) -> None:
         )
 
 
+def _check_agent(config: SlimConfig) -> None:
+    """An agent (`rollout.agent_function_path`) is the sample's generate and its reward: it cannot be
+    combined with another generate or reward hook, nor (yet) with partial rollout; its tool-call
+    parser must be one SGLang has."""
+    rollout = config.rollout
+    path = rollout.agent_function_path
+    if path is None:
+        return
+    key = f"rollout.agent_function_path={path}"
+    for other in ("custom_generate_function_path", "custom_rm_path"):
+        if getattr(rollout, other) is not None:
+            what = "generates the samples" if other.startswith("custom_generate") else "returns the reward"
+            raise ConfigError(f"{key}: the agent {what}; remove rollout.{other}")
+    if rollout.partial_rollout:
+        raise ConfigError(
+            f"{key}: rollout.partial_rollout is not supported with an agent yet (a paused agent session "
+            "cannot resume); set it to false"
+        )
+    from slimrl.rollout.agent.chat import tool_call_parsers
+
+    try:
+        parsers = tool_call_parsers()
+    except ImportError as exc:
+        raise ConfigError(f"{key}: parsing tool calls needs SGLang (slimrl[sglang]): {exc}") from None
+    if rollout.agent_tool_call_parser not in parsers:
+        raise ConfigError(
+            f"rollout.agent_tool_call_parser={rollout.agent_tool_call_parser}: not one of SGLang's "
+            f"tool-call parsers ({', '.join(sorted(parsers))})"
+        )
+
+
 _HOOK_KEYS = (
     "custom_generate_function_path",
     "rollout_function_path",
     "custom_rm_path",
     "dynamic_sampling_filter_path",
     "buffer_filter_path",
+    "agent_function_path",
 )
 
 
@@ -737,7 +771,11 @@ def _check_data(config: SlimConfig) -> None:
 
     data, rollout = config.data, config.rollout
     sft = config.algorithm.loss == "sft"
-    builtin_reward = rollout.custom_rm_path is None and rollout.reward_type in ("toy", "math")
+    builtin_reward = (
+        rollout.custom_rm_path is None
+        and rollout.agent_function_path is None
+        and rollout.reward_type in ("toy", "math")
+    )
     need_label = sft or builtin_reward
     why = "SFT trains on it" if sft else f"the built-in `{rollout.reward_type}` reward scores against it"
     files = [("data.prompt_data", data.prompt_data)]

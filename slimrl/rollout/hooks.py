@@ -36,6 +36,14 @@ class RewardHook(Protocol):
     def __call__(self, config: SlimConfig, sample_or_samples: Any) -> Awaitable[Any]: ...
 
 
+class AgentHook(Protocol):
+    """An agent written against the OpenAI API (`rollout/agent/`): the reward, or reward and metadata."""
+
+    def __call__(
+        self, base_url: str, api_key: str, task: dict[str, Any]
+    ) -> Awaitable[float | dict[str, Any]]: ...
+
+
 class FilterHook(Protocol):
     def __call__(self, config: SlimConfig, group: Group) -> bool: ...
 
@@ -44,7 +52,7 @@ class BufferFilterHook(Protocol):
     def __call__(self, config: SlimConfig, buffer: list[Group], n: int) -> list[Group]: ...
 
 
-HookName = Literal["generate", "rollout", "reward", "filter", "buffer_filter"]
+HookName = Literal["generate", "rollout", "reward", "filter", "buffer_filter", "agent"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ HOOKS: dict[HookName, HookKind] = {
     "reward": HookKind("custom_rm_path", ("config", "sample"), True, RewardHook, ("config", "samples")),
     "filter": HookKind("dynamic_sampling_filter_path", ("config", "group"), False, FilterHook),
     "buffer_filter": HookKind("buffer_filter_path", ("config", "buffer", "n"), False, BufferFilterHook),
+    "agent": HookKind("agent_function_path", ("base_url", "api_key", "task"), True, AgentHook),
 }
 
 

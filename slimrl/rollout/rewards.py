@@ -255,6 +255,8 @@ _BUILTIN: dict[str, Callable[[Sample], float]] = {
 async def compute_rewards(config: SlimConfig, samples: list[Sample]) -> None:
     """Set `reward` on every sample, in place (see the module docstring for the sources)."""
     rollout = config.rollout
+    if rollout.agent_function_path:  # the agent's return value, set with its samples (rollout/agent/)
+        return
     if rollout.custom_rm_path:
         await _custom_rewards(config, samples)
     elif rollout.reward_type in _BUILTIN:

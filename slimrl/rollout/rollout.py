@@ -24,7 +24,7 @@ from slimrl.rollout.data_source import DataSource, Group
 from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampling_params_for
 from slimrl.rollout.hooks import check_hooks, load_hook
 from slimrl.rollout.rewards import compute_rewards, scalar_reward
-from slimrl.rollout.sample_checks import GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
+from slimrl.rollout.sample_checks import AGENT_KEY, GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
 
@@ -41,9 +41,20 @@ class RolloutResult:
 
 
 def load_generate_fn(config: Any) -> Callable[..., Any]:
-    """The generate a rollout calls: the hook `rollout.custom_generate_function_path` names, or the
-    built-in one (custom rollout loops call it too: `examples/custom_rollout.py`)."""
+    """The generate a rollout calls: the hook `rollout.custom_generate_function_path` names, the
+    agent runner with `rollout.agent_function_path` (`rollout/agent/`), or the built-in one (custom
+    rollout loops call it too: `examples/custom_rollout.py`)."""
+    if config.rollout.agent_function_path is not None:
+        from slimrl.rollout.agent.runner import generate as agent_generate
+
+        return agent_generate
     return load_hook(config, "generate") or generate
+
+
+def _hook_key(config: Any) -> str:
+    if config.rollout.custom_generate_function_path:
+        return GENERATE_KEY
+    return AGENT_KEY if config.rollout.agent_function_path else "generate"
 
 
 def _group_finished(group: Group) -> bool:
@@ -56,7 +67,7 @@ class _GroupRunner:
     def __init__(self, ctx: RolloutContext, evaluation: bool) -> None:
         self.ctx = ctx
         self.generate = load_generate_fn(ctx.config)
-        self.hook = GENERATE_KEY if ctx.config.rollout.custom_generate_function_path else "generate"
+        self.hook = _hook_key(ctx.config)
         self.vocab_size = model_vocab_size(ctx.config.model.hf_checkpoint)
         self.params = sampling_params_for(ctx.config, evaluation)
         self.evaluation = evaluation
@@ -100,6 +111,7 @@ class _GroupRunner:
         for one in samples:
             check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, **self.training_checks)
             check_sampled(one, self.hook)
+        self.failures += sum(one.status == Status.FAILED for one in samples)  # a hook's own (an agent's)
         return samples
 
     async def run_group(self, group: Group) -> Group:

@@ -28,6 +28,7 @@ from slimrl.sampled import check_routing_rows
 
 GENERATE_KEY = "rollout.custom_generate_function_path"
 ROLLOUT_KEY = "rollout.rollout_function_path"
+AGENT_KEY = "rollout.agent_function_path"
 _SET_BY_HOOK = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
 
 

@@ -17,6 +17,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on `host` at a port the OS picks (no race: it is bound already)."""
+    return socket.create_server((host, 0))
+
+
 def node_address() -> str:
     """This node's address as Ray sees it, the one other nodes reach it by."""
     import ray

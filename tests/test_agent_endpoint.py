@@ -1,0 +1,492 @@
+"""The agentic endpoint (`slimrl/rollout/agent/`, issue 24) driven by the official `openai` client,
+against real SGLang 0.5.23 and the embedded engine.
+
+The model: a tiny Qwen3-MoE whose output layer is solved (least squares over its own final hidden
+states) so that, greedily, it answers the example agent's task with exactly the tool call the chat
+template renders, and the tool's result with the answer. Everything expected comes from outside
+the endpoint: the ids the engine itself was fed and returned (a recording proxy between the endpoint
+and the engine keeps every `/generate` body), the chat template applied to the whole conversation,
+Hugging Face's router for routed experts, and OpenAI's schemas for the shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+import requests
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from examples import openai_agent
+from slimrl.data.tiny_models import make_tiny
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.preflight import load_config
+from slimrl.rollout.agent.endpoint import AgentEndpoint
+from slimrl.rollout.agent.runner import run_agent_sample
+from slimrl.rollout.client import FleetClient
+from slimrl.rollout.data_source import DataSource
+from slimrl.rollout.generate import RolloutContext
+from slimrl.rollout.rollout import run_rollout
+from slimrl.rollout.routing import RoutingLayout
+from slimrl.sample import Sample, Status
+from slimrl.sampled import check_sampled
+from tests.engines import ENGINES, hf_routing, running_engines
+
+pytestmark = pytest.mark.slow
+
+TASK = {"prompt": "What is 2+3?", "label": "5", "metadata": {}}
+ARGUMENTS = {"a": 2, "b": 3}
+ANSWER = "2+3=5"
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 96}
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------- the model
+def _conversation(tokenizer: Any) -> tuple[str, str, str, str]:
+    """The example agent's conversation as the chat template renders it: (first prompt, tool call,
+    prompt after the tool's result, answer)."""
+    user = openai_agent.first_messages(TASK)
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": ARGUMENTS}}
+    assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+    tool = {"role": "tool", "tool_call_id": "c", "content": str(openai_agent.add(**ARGUMENTS))}
+    render = tokenizer.apply_chat_template
+    first = render(user, tools=openai_agent.TOOLS, tokenize=False, add_generation_prompt=True)
+    after_tool = render(
+        [*user, assistant, tool], tools=openai_agent.TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    head = render([*user, assistant], tools=openai_agent.TOOLS, tokenize=False)
+    tool_call = head[len(first) :].removesuffix("\n").removesuffix(tokenizer.eos_token)
+    return first, tool_call, after_tool, ANSWER
+
+
+def fit_tool_model(out: Path) -> Path:
+    """A tiny Qwen3-MoE (hidden size 128) whose lm_head maps its final hidden state at every position
+    of the two answers to that position's next token with a margin of 20 logits: solved exactly
+    (128 dimensions for under 100 positions), so greedy decoding on any engine writes them."""
+    make_tiny("qwen3_moe", out, overrides={"hidden_size": 128})
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    first, tool_call, after_tool, answer = _conversation(tokenizer)
+    features, targets = [], []
+    with torch.no_grad():
+        for prompt, target in ((first, tool_call), (after_tool, answer)):
+            ids = tokenizer.encode(prompt + target + tokenizer.eos_token, add_special_tokens=False)
+            start = len(tokenizer.encode(prompt, add_special_tokens=False))
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
+            features.append(hidden[start - 1 : len(ids) - 1])
+            targets.append(torch.tensor(ids[start:]))
+    h, y = torch.cat(features).double(), torch.cat(targets)
+    assert h.shape[0] < h.shape[1], "more positions than dimensions: not solvable exactly"
+    logits = torch.zeros(len(y), model.lm_head.weight.shape[0], dtype=torch.float64)
+    logits[torch.arange(len(y)), y] = 20.0
+    model.lm_head.weight.data = (torch.linalg.pinv(h) @ logits).T.float()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        shutil.copy(Path(tmp) / "model.safetensors", out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    return fit_tool_model(tmp_path_factory.mktemp("agent") / "qwen3_moe_tools")
+
+
+# ---------------------------------------------------------------- engine, proxy, endpoint
+class LoopThread:
+    """An event loop on a thread of its own: the endpoint serves from it while the test (and the
+    synchronous OpenAI client) runs here."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Recorder:
+    """A pass-through proxy to the engine that keeps every `/generate` request and reply body."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.engine_url = engine_url
+        self.calls: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{path:.*}", self.forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def forward(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                request.method, f"{self.engine_url}{request.path_qs}", data=body, headers=headers
+            ) as reply,
+        ):
+            out = await reply.read()
+            status, content_type = reply.status, reply.content_type
+        if request.path == "/generate" and status == 200:
+            self.calls.append((json.loads(body), json.loads(out)))
+        return web.Response(body=out, status=status, content_type=content_type)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class Stack:
+    def __init__(self, kind: str, model: Path, loop: LoopThread, recorder: Recorder, endpoint: AgentEndpoint):
+        self.kind, self.model, self.loop, self.recorder, self.endpoint = kind, model, loop, recorder, endpoint
+        self.tokenizer = endpoint.tokenizer
+        self.layout = RoutingLayout.of(read_model_arch(model))
+
+    def session(self, **kwargs: Any):
+        return self.endpoint.open_session(GREEDY, routing=True, **kwargs)
+
+    def client(self, session: Any) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.endpoint.base_url(session), api_key=self.endpoint.api_key, max_retries=0
+        )
+
+    def mark(self) -> int:
+        return len(self.recorder.calls)
+
+    def run_agent(self, agent: Any, timeout_s: float = 120.0, **sample: Any) -> list[Sample]:
+        base = Sample(index=7, group_index=3, prompt=TASK["prompt"], label=TASK["label"], **sample)
+        coro = run_agent_sample(
+            self.endpoint, agent, base, GREEDY, timeout_s=timeout_s, routing=self.layout, max_seq_len=2048
+        )
+        return self.loop.run(coro)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def stack(request, tool_model, tmp_path_factory) -> Iterator[Stack]:
+    kind = request.param
+    log_dir = tmp_path_factory.mktemp(f"agent-{kind}")
+    loop = LoopThread()
+    with running_engines(kind, tool_model, log_dir, 1, "algorithm.routing_replay=true") as (url,):
+        recorder = Recorder(url)
+        loop.run(recorder.start())
+        tokenizer = AutoTokenizer.from_pretrained(tool_model)
+        endpoint = AgentEndpoint(tokenizer, FleetClient([recorder.url]), context_length=512)
+        loop.run(endpoint.start())
+        try:
+            yield Stack(kind, tool_model, loop, recorder, endpoint)
+        finally:
+            loop.run(endpoint.close())
+            loop.run(endpoint.client.close())
+            loop.run(recorder.close())
+            loop.stop()
+
+
+# ---------------------------------------------------------------- agents
+async def raising_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    raise RuntimeError("the tool server is down")
+
+
+async def blocking_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    time.sleep(3)  # synchronous: blocks its own thread, never the endpoint's loop
+    return 1.0
+
+
+async def silent_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    return 1.0
+
+
+async def unscored_agent(base_url: str, api_key: str, task: dict[str, Any]) -> Any:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    return "five"
+
+
+async def editing_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    """Runs the tool, then rewrites the user's question before sending the conversation back."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+        messages = openai_agent.first_messages(task)
+        reply = await client.chat.completions.create(
+            model="m", messages=messages, tools=openai_agent.TOOLS, max_tokens=96
+        )
+        message = reply.choices[0].message
+        call = message.tool_calls[0]
+        edited = [
+            {"role": "user", "content": "What is 2+3? Use the tool."},
+            message.model_dump(exclude_none=True),
+        ]
+        edited.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
+        await client.chat.completions.create(
+            model="m", messages=edited, tools=openai_agent.TOOLS, max_tokens=8
+        )
+    return 0.5
+
+
+# ---------------------------------------------------------------- tests
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    return body["error"]
+
+
+def test_chat_completion_shape_usage_and_logprobs(stack: Stack) -> None:
+    session = stack.session()
+    mark = stack.mark()
+    raw = stack.client(session).chat.completions.with_raw_response.create(
+        model="gpt-4o-mini",
+        messages=openai_agent.first_messages(TASK),
+        tools=openai_agent.TOOLS,
+        n=2,
+        logprobs=True,
+        top_logprobs=0,
+        max_tokens=96,
+    )
+    body = raw.http_response.json()
+    reply = raw.parse()
+    # OpenAI's chat.completion object: the keys of its schema, the model name as sent
+    assert {"id", "object", "created", "model", "choices", "usage"} <= set(body)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert reply.model == "gpt-4o-mini" and [c.index for c in reply.choices] == [0, 1]
+    calls = stack.recorder.calls[mark:]
+    assert len(calls) == 2  # one engine request per choice
+    for choice, (_, answer) in zip(reply.choices, calls, strict=True):
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.role == "assistant" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "add" and json.loads(call.function.arguments) == ARGUMENTS
+        engine = answer["meta_info"]["output_token_logprobs"]
+        assert [e.logprob for e in choice.logprobs.content] == [t[0] for t in engine]
+        assert [e.token for e in choice.logprobs.content] == [stack.tokenizer.decode([t[1]]) for t in engine]
+    # usage counts exactly what the engine was fed (once) and returned (every choice)
+    assert reply.usage.prompt_tokens == len(calls[0][0]["input_ids"]) == len(calls[1][0]["input_ids"])
+    assert reply.usage.completion_tokens == sum(len(a["output_ids"]) for _, a in calls)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # the template was applied once, by the endpoint: the engine got the template's own rendering
+    first, _, _, _ = _conversation(stack.tokenizer)
+    assert stack.tokenizer.decode(calls[0][0]["input_ids"]) == first
+    assert calls[0][0]["sampling_params"]["no_stop_trim"] is True and calls[0][0]["return_logprob"] is True
+    # streamed, the same reply as chunks
+    chunks = list(
+        stack.client(session).chat.completions.create(
+            model="m", messages=openai_agent.first_messages(TASK), tools=openai_agent.TOOLS, max_tokens=96,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    streamed = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [t[0].function.name for t in streamed] == ["add"] and chunks[-1].usage.completion_tokens == len(
+        stack.recorder.calls[-1][1]["output_ids"]
+    )
+    # tool_choice none: the text as sampled, no parsing
+    none = stack.client(session).chat.completions.create(
+        model="m", messages=openai_agent.first_messages(TASK), tools=openai_agent.TOOLS, tool_choice="none",
+        max_tokens=96,
+    )  # fmt: skip
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "stop"
+    assert none.choices[0].message.content == _conversation(stack.tokenizer)[1]
+
+
+def test_multi_turn_tool_calls_train_on_exactly_the_sampled_tokens(stack: Stack) -> None:
+    mark = stack.mark()
+    (sample,) = stack.run_agent(openai_agent.run_agent)
+    calls = stack.recorder.calls[mark:]
+    assert len(calls) == 2, "a tool call, then the answer"
+    (in1, out1), (in2, out2) = calls
+    p1, c1, p2, c2 = in1["input_ids"], out1["output_ids"], in2["input_ids"], out2["output_ids"]
+    assert sample.status == Status.COMPLETED and sample.reward == {"score": 1.0, "tool_calls": 1.0}
+    # one sequence: the second prompt extends the first prompt + its completion, as the engine saw them
+    assert p2[: len(p1) + len(c1)] == p1 + c1
+    assert sample.tokens == p2 + c2 and sample.prompt_tokens == p1
+    # trained tokens are exactly the engine's output ids, with the engine's logprobs
+    mask = np.array(sample.loss_mask, dtype=bool)
+    response = np.array(sample.response_tokens)
+    assert response[mask].tolist() == c1 + c2
+    assert mask.tolist() == [True] * len(c1) + [False] * (len(p2) - len(p1) - len(c1)) + [True] * len(c2)
+    logprobs = [
+        t[0] for t in out1["meta_info"]["output_token_logprobs"] + out2["meta_info"]["output_token_logprobs"]
+    ]
+    assert np.array(sample.rollout_log_probs)[mask].tolist() == logprobs
+    assert not np.array(sample.rollout_log_probs)[~mask].any()
+    # the whole sequence is the chat template's rendering of the conversation, closed by the answer
+    first, tool_call, after_tool, answer = _conversation(stack.tokenizer)
+    eos = stack.tokenizer.eos_token
+    assert stack.tokenizer.decode(sample.tokens) == after_tool + answer + eos
+    assert stack.tokenizer.decode(c1) == tool_call + eos and stack.tokenizer.decode(c2) == answer + eos
+    # the tokens between (the template's turn ends, the tool's result) are not trained on
+    between = stack.tokenizer.decode(response[~mask].tolist())
+    assert between == after_tool[len(first + tool_call + eos) :] and "<tool_response>\n5\n" in between
+    check_sampled(sample, "test")
+    # routed experts for every token, stitched across the calls: Hugging Face's router's choice
+    expected = hf_routing(stack.model, sample.tokens)
+    assert sample.rollout_routed_experts.shape == expected.shape
+    assert (np.sort(sample.rollout_routed_experts, -1) == np.sort(expected, -1)).all()
+    assert in2["routed_experts_start_len"] == len(p1) + len(c1) - 1  # only the rows the sample lacked
+    info = sample.metadata["agent"]
+    assert info["calls"] == 2 and "splits" not in info
+
+
+def test_a_history_editing_agent_gives_separate_samples(stack: Stack) -> None:
+    mark = stack.mark()
+    samples = stack.run_agent(editing_agent)
+    calls = stack.recorder.calls[mark:]
+    assert len(samples) == 2 and len(calls) == 2
+    for sample, (request, answer) in zip(samples, calls, strict=True):
+        assert sample.tokens == request["input_ids"] + answer["output_ids"]
+        assert sample.response_tokens == answer["output_ids"] and sample.loss_mask == [1] * len(
+            answer["output_ids"]
+        )
+        assert sample.reward == 0.5
+        check_sampled(sample, "test")
+        expected = hf_routing(stack.model, sample.tokens)
+        assert (np.sort(sample.rollout_routed_experts, -1) == np.sort(expected, -1)).all()
+    (split,) = samples[0].metadata["agent"]["splits"]
+    assert split["call"] == 1 and "does not extend" in split["reason"]
+
+
+def test_completions_continue_from_the_sampled_ids(stack: Stack) -> None:
+    session = stack.session()
+    client = stack.client(session)
+    mark = stack.mark()
+    first = client.completions.create(model="m", prompt="12+34=", max_tokens=6, logprobs=0)
+    assert first.object == "text_completion" and first.choices[0].finish_reason == "length"
+    text = first.choices[0].text
+    second = client.completions.create(model="m", prompt="12+34=" + text + "\n7+8=", max_tokens=3)
+    (in1, out1), (in2, out2) = stack.recorder.calls[mark:]
+    assert in2["input_ids"][: len(in1["input_ids"]) + 6] == in1["input_ids"] + out1["output_ids"]
+    assert first.usage.completion_tokens == 6 == len(out1["output_ids"])
+    assert second.usage.prompt_tokens == len(in2["input_ids"])
+    engine = [t[0] for t in out1["meta_info"]["output_token_logprobs"]]
+    assert first.choices[0].logprobs.token_logprobs == engine
+    samples, _ = _build(stack, session)
+    assert len(samples) == 1 and samples[0].tokens == in2["input_ids"] + out2["output_ids"]
+
+
+def _build(stack: Stack, session: Any) -> tuple[list[Sample], list[dict[str, Any]]]:
+    from slimrl.rollout.agent.trajectory import build_samples
+
+    return build_samples(session.turns, Sample(), stack.layout)
+
+
+def test_bad_key_unknown_session_and_malformed_requests_are_openai_errors(stack: Stack) -> None:
+    session = stack.session()
+    messages = [{"role": "user", "content": "hi"}]
+    bad_key = openai.OpenAI(base_url=stack.endpoint.base_url(session), api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad_key.chat.completions.create(model="m", messages=messages)
+    assert info.value.status_code == 401 and _error(info.value)["code"] == "invalid_api_key"
+    unknown = openai.OpenAI(
+        base_url=f"{stack.endpoint.url}/sessions/nosuchsession/v1",
+        api_key=stack.endpoint.api_key,
+        max_retries=0,
+    )
+    with pytest.raises(openai.NotFoundError) as info:
+        unknown.chat.completions.create(model="m", messages=messages)
+    assert info.value.status_code == 404 and _error(info.value)["type"] == "invalid_request_error"
+    client = stack.client(session)
+    malformed = [
+        ({"messages": []}, "messages"),
+        ({"messages": messages, "temperature": "hot"}, "temperature"),
+        ({"messages": messages, "n": 0}, "n"),
+        ({"messages": messages, "max_tokens": -1}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": messages, "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"messages": messages, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"messages": messages, "no_such_option": 1}, "no_such_option"),
+    ]
+    mark = stack.mark()
+    for body, param in malformed:
+        with pytest.raises(openai.BadRequestError) as info:
+            fields = dict(body)  # as JSON, whatever the client's types allow
+            client.chat.completions.create(model="m", messages=fields.pop("messages"), extra_body=fields)
+        error = _error(info.value)
+        assert info.value.status_code == 400 and error["param"] == param, (param, error)
+    raw = requests.post(
+        f"{stack.endpoint.base_url(session)}/chat/completions",
+        data=b"{not json",
+        headers={"Authorization": f"Bearer {stack.endpoint.api_key}"},
+        timeout=30,
+    )
+    assert raw.status_code == 400 and set(raw.json()["error"]) == ERROR_KEYS
+    long = [{"role": "user", "content": "x" * 600}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=long)
+    assert _error(info.value)["code"] == "context_length_exceeded"
+    assert stack.mark() == mark, "no malformed request reached the engine"
+    ok = client.chat.completions.create(model="m", messages=messages, max_tokens=2)  # the session goes on
+    assert ok.usage.completion_tokens == len(stack.recorder.calls[-1][1]["output_ids"])
+
+
+@pytest.mark.parametrize(
+    ("agent", "reason"),
+    [
+        (raising_agent, "the agent raised RuntimeError: the tool server is down"),
+        (blocking_agent, "the agent ran past rollout.agent_timeout_s=1"),
+        (silent_agent, "the agent never called the model"),
+        (unscored_agent, "the agent returned 'five'"),
+    ],
+    ids=["raises", "times-out", "never-calls", "no-reward"],
+)
+def test_a_failing_agent_is_a_failed_sample_with_its_reason(stack: Stack, agent: Any, reason: str) -> None:
+    started = time.monotonic()
+    (sample,) = stack.run_agent(agent, timeout_s=1.0)
+    assert sample.status == Status.FAILED and sample.metadata["failure"].startswith(reason)
+    assert time.monotonic() - started < 30
+    assert sample.tokens == [] and sample.reward is None
+
+
+def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> None:
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"prompt": TASK["prompt"], "label": TASK["label"]}) + "\n")
+    config = load_config(
+        None,
+        [
+            f"model.hf_checkpoint={stack.model}",
+            f"data.prompt_data={data}",
+            "rollout.agent_function_path=examples.openai_agent.run_agent",
+            "cluster.gpus_per_node=1",
+            "rollout.rollout_batch_size=1",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.sampling.temperature=0",
+            "algorithm.routing_replay=true",
+        ],
+    )
+    ctx = RolloutContext(config, stack.tokenizer, stack.endpoint.client)
+    result = stack.loop.run(run_rollout(ctx, DataSource(config)))
+    (group,) = result.groups
+    assert len(group) == 2 and all(s.status == Status.COMPLETED for s in group)
+    assert [s.reward for s in group] == [{"score": 1.0, "tool_calls": 1.0}] * 2
+    _, _, after_tool, answer = _conversation(stack.tokenizer)
+    assert all(
+        stack.tokenizer.decode(s.tokens) == after_tool + answer + stack.tokenizer.eos_token for s in group
+    )
+    assert result.metrics["raw_reward"] == 1.0 and result.metrics["failed_samples"] == 0
+    stack.loop.run(ctx.agent_endpoint[1].close())

@@ -75,7 +75,9 @@ def fit() -> None:
     """Solve the fitted constants from the calibration phases (Nelder-Mead on log ratios)."""
     import scipy.optimize
 
-    calibration = {(a.key, p) for a in ANCHORS for p in a.calibration}
+    from slimrl.planning.step_time_anchors import anchor_spec, predicted
+
+    targets = [(a, anchor_spec(a), p, a.published[p]) for a in ANCHORS for p in a.calibration]
     start = [getattr(st, name) for name in FITTED]
 
     def loss(scales: list[float]) -> float:
@@ -85,14 +87,14 @@ def fit() -> None:
             setattr(st, name, base * scale)
         if st.MATMUL_EFFICIENCY > 1 or st.HBM_EFFICIENCY > 1:
             return 1e9
-        return sum(math.log(pred / pub) ** 2 for a, p, pub, pred, _ in rows() if (a.key, p) in calibration)
+        return sum(math.log(predicted(a, spec, p) / pub) ** 2 for a, spec, p, pub in targets)
 
     result = scipy.optimize.minimize(
-        loss, [1.0] * len(FITTED), method="Nelder-Mead", options={"maxiter": 800}
+        loss, [1.0] * len(FITTED), method="Nelder-Mead", options={"maxiter": 1500}
     )
-    print("\nconstant                       in step_time.py     re-fitted")
+    print(f"\n{'constant':<30}{'in step_time.py':>16}{'re-fitted':>12}   ({len(targets)} calibration phases)")
     for name, base, scale in zip(FITTED, start, result.x, strict=True):
-        print(f"{name:<30}{base:>14.4g}{base * scale:>14.4g}")
+        print(f"{name:<30}{base:>16.4g}{base * scale:>12.4g}")
         setattr(st, name, base)
 
 

@@ -11,16 +11,17 @@ The phases, on the busiest GPU (the slowest rank or engine sets the pace):
   KV cache of every running sequence, against the FLOPs of the step, plus the tensor-parallel
   all-reduces. The engine's sequences run at once (or as many as its KV cache and request cap
   allow); the step ends when the longest response is done (the long tail). Response lengths follow
-  a truncated exponential of the given mean (the longest of N is the mean times H_N, capped);
-  `Workload.longest_response` overrides the assumption.
+  an exponential of the given mean truncated at the cap, and the longest runs to the cap (among
+  thousands some always do); `Workload.longest_response` overrides that.
+- **rollout_logprobs**: the embedded engine's true-on-policy re-scoring, a forward per response.
 - **policy_logprobs / reference_logprobs**: forward-only passes over every token; the reference
   pass also swaps the reference weights in from host memory and back.
 - **training**: forward and backward (plus recompute) from FLOPs per micro-batch and pipeline
   stage, each GEMM as a roofline against its weight reads; tensor-, context- and expert-parallel
   traffic per layer over NVLink or the network; the pipeline bubble; the data-parallel gradient
   reduce-scatter and parameter all-gather of the distributed optimizer; the optimizer step.
-- **weight_sync**: the bytes the transport moves over which link, then the engines' load of every
-  tensor (a software rate, calibrated).
+- **weight_sync**: the bytes the transport moves over which link, then each engine GPU's load of
+  its shard, tensor by tensor (a software rate, calibrated).
 - **offload / onload**: the trainer's state over the host link (colocated on GPUs).
 - **overlap_hidden** (negative): with `algorithm.async_staleness: 1` the next rollout runs beside
   training, hiding the shorter of the two.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from slimrl.errors import ConfigError
 from slimrl.model_arch import ModelArch
@@ -96,8 +97,6 @@ DISK_BYTES_PER_S = 2e9
 MOE_ROUTING_IMBALANCE = 1.25
 """Tokens the busiest expert-parallel rank receives over the balanced share (the memory plan's
 factor, `memory_plan.MOE_ROUTING_IMBALANCE`): it sets the pace of every MoE layer in training."""
-
-EULER_GAMMA = 0.5772156649
 
 
 # ----------------------------------------------------------------------------- the model's shape
@@ -323,6 +322,9 @@ class StepSpec:
     """A forward-only pass for the old policy's logprobs (slimrl skips it when the training
     forward can supply them: `trainer/rl.py::fused_old_logprobs`)."""
     reference_logprobs: bool = False
+    rollout_rescoring: bool = False
+    """The engine scores every finished response again with the trainer's own model (true
+    on-policy on the embedded engine: docs/true_on_policy.md)."""
     transport: str = "tensor"
     offload: bool = True
     """Colocated on GPUs: the trainer's state leaves the device while the engines generate."""
@@ -382,7 +384,7 @@ def _decode_step(spec: StepSpec, running: int, context: float) -> float:
     return max(compute, memory) + 2 * m.layers * all_reduce + DECODE_STEP_OVERHEAD_S
 
 
-def _schedule(spec: StepSpec, lengths: list[float], slots: int) -> list[tuple[float, float]]:
+def _schedule(lengths: list[float], slots: int) -> list[tuple[float, float]]:
     """(start, length) of each sequence on `slots` slots, first come first served (the longest
     starts first)."""
     if slots >= len(lengths):
@@ -404,7 +406,7 @@ def generation(spec: StepSpec) -> tuple[float, dict[str, str]]:
     lengths = w.lengths(per_engine)
     fits = max(1, int(e.kv_tokens // max(w.prompt_tokens + w.response_tokens, 1)))
     slots = max(1, min(per_engine, e.max_running, fits))
-    sequences = _schedule(spec, lengths, slots)
+    sequences = _schedule(lengths, slots)
     end = max(s + n for s, n in sequences)
     starts = sorted(s for s, _ in sequences)
     ends = sorted(s + n for s, n in sequences)
@@ -599,7 +601,11 @@ def weight_sync(spec: StepSpec) -> tuple[float, str]:
 def predict(spec: StepSpec) -> StepTime:
     """Every phase of one step of `spec`, and the step."""
     gen, gen_notes = generation(spec)
-    phases: dict[str, float] = {"generation": gen}
+    phases: dict[str, float] = {"generation": gen, "rollout_logprobs": 0.0}
+    if spec.rollout_rescoring:  # one forward per finished response, on the busiest engine
+        w, m, e = spec.workload, spec.model, spec.engines
+        flops = math.ceil(w.samples / e.count) * (w.prompt_tokens + w.response_tokens) * 2 * m.active_params
+        phases["rollout_logprobs"] = flops / e.gpus / (spec.gpu.matmul_flops * MATMUL_EFFICIENCY)
     forward = forward_pass(spec)
     phases["policy_logprobs"] = forward if spec.policy_logprobs else 0.0
     phases["reference_logprobs"] = forward + reference_swap(spec) if spec.reference_logprobs else 0.0
@@ -632,10 +638,6 @@ def predict(spec: StepSpec) -> StepTime:
         key, _, text = note.partition(": ")
         assumptions[key] = text
     return StepTime(phases=phases, step=sum(phases.values()), assumptions=assumptions)
-
-
-def with_layout(spec: StepSpec, trainer: TrainerSpec) -> StepSpec:
-    return replace(spec, trainer=trainer)
 
 
 def check_workload(prompt_tokens: float | None, response_tokens: float | None) -> tuple[float, float]:

@@ -18,6 +18,7 @@ _NO_GPU = GPUS["H100"]
 
 PHASE_NOTES = {
     "generation": "prefill + decode of the busiest engine, to its longest response",
+    "rollout_logprobs": "the engine's true-on-policy re-scoring of every response",
     "policy_logprobs": "forward-only pass for the old policy's logprobs",
     "reference_logprobs": "forward-only pass under the reference weights (swapped in from host)",
     "training": "forward + backward per micro-batch, pipeline bubble, gradient sync, optimizer",

@@ -269,6 +269,7 @@ def spec_from_config(
         async_staleness=algo.async_staleness,
         policy_logprobs=separate_old_logprobs(config),
         reference_logprobs=algo.kl_loss_coef > 0 or algo.kl_coef > 0,
+        rollout_rescoring=algo.true_on_policy and rollout.engine == "embedded",
         transport=transport_of(config),
         offload=bool(offload),
         notes=(f"micro_batches: {micro_note}",),

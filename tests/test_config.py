@@ -175,6 +175,9 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
             )
 
 
+CISPO = "algorithm.policy_loss=cispo"
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
@@ -188,13 +191,12 @@ def test_every_shipped_config_loads(moe, mod_sum_data, monkeypatch):
             "algorithm.loss_reduction=seq_mean_token_sum_norm: advantage_estimator=gspo",
         ),
         (
-            ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_mean",
-             "algorithm.policy_loss=cispo"],
+            ["algorithm.advantage_estimator=gspo", "algorithm.loss_reduction=seq_mean_token_mean", CISPO],
             "algorithm.policy_loss=cispo: CISPO weights each token; advantage_estimator=gspo has a "
             "sequence-level ratio, which only policy_loss=ppo_clip defines",
-        ),  # fmt: skip
+        ),
         (
-            ["algorithm.policy_loss=cispo", "algorithm.dual_clip_c=3.0"],
+            [CISPO, "algorithm.dual_clip_c=3.0"],
             "algorithm.dual_clip_c=3.0: the dual clip bounds PPO's clipped ratio; policy_loss=cispo has none",
         ),
         (["algorithm.policy_loss=ppo"], "algorithm.policy_loss"),

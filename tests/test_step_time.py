@@ -216,3 +216,14 @@ def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], names: str) -> 
     err = out.stderr.strip()
     assert len(err.splitlines()) == 1 and names in err, err
     assert out.stdout == ""
+
+
+def test_the_readme_s_prediction_is_what_the_cli_prints() -> None:
+    """The README shows `slimrl plan configs/grpo_moe_256gpu.yaml --time ...`: its block is the
+    command's output as the code prints it today (a change to the model changes the README)."""
+    readme = (REPO / "README.md").read_text()
+    command = "$ slimrl plan configs/grpo_moe_256gpu.yaml --time --prompt-tokens 200 --response-tokens 4000\n"
+    shown = readme.split(command, 1)[1].split("```", 1)[0]
+    proc = _plan("configs/grpo_moe_256gpu.yaml", "--time", "--prompt-tokens", "200", "--response-tokens", "4000")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == shown

@@ -222,8 +222,8 @@ def test_the_readme_s_prediction_is_what_the_cli_prints() -> None:
     """The README shows `slimrl plan configs/grpo_moe_256gpu.yaml --time ...`: its block is the
     command's output as the code prints it today (a change to the model changes the README)."""
     readme = (REPO / "README.md").read_text()
-    command = "$ slimrl plan configs/grpo_moe_256gpu.yaml --time --prompt-tokens 200 --response-tokens 4000\n"
-    shown = readme.split(command, 1)[1].split("```", 1)[0]
-    proc = _plan("configs/grpo_moe_256gpu.yaml", "--time", "--prompt-tokens", "200", "--response-tokens", "4000")
+    args = ["configs/grpo_moe_256gpu.yaml", "--time", "--prompt-tokens", "200", "--response-tokens", "4000"]
+    shown = readme.split(f"$ slimrl plan {' '.join(args)}\n", 1)[1].split("```", 1)[0]
+    proc = _plan(*args)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == shown

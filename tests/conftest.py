@@ -47,6 +47,7 @@ MODULE_SECONDS = {
     "test_megatron_layouts": 342,
     "test_rl_trainer": 333,
     "test_rollout": 191,
+    "test_agent_endpoint": 190,
     "test_true_on_policy": 172,
     "test_golden_trajectory": 171,
     "test_weight_sync": 152,

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from examples import openai_agent
 from slimrl.data.tiny_models import make_tiny
+from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.preflight import load_config
 from slimrl.rollout.agent.endpoint import AgentEndpoint
@@ -267,7 +268,7 @@ def test_chat_completion_shape_usage_and_logprobs(stack: Stack) -> None:
         tools=openai_agent.TOOLS,
         n=2,
         logprobs=True,
-        top_logprobs=0,
+        top_logprobs=2,
         max_tokens=96,
     )
     body = raw.http_response.json()
@@ -287,6 +288,11 @@ def test_chat_completion_shape_usage_and_logprobs(stack: Stack) -> None:
         engine = answer["meta_info"]["output_token_logprobs"]
         assert [e.logprob for e in choice.logprobs.content] == [t[0] for t in engine]
         assert [e.token for e in choice.logprobs.content] == [stack.tokenizer.decode([t[1]]) for t in engine]
+        tops = answer["meta_info"]["output_top_logprobs"]
+        assert [[t.logprob for t in e.top_logprobs] for e in choice.logprobs.content] == [
+            [t[0] for t in row] for row in tops
+        ]
+        assert all(e.top_logprobs[0].token == e.token for e in choice.logprobs.content)  # greedy
     # usage counts exactly what the engine was fed (once) and returned (every choice)
     assert reply.usage.prompt_tokens == len(calls[0][0]["input_ids"]) == len(calls[1][0]["input_ids"])
     assert reply.usage.completion_tokens == sum(len(a["output_ids"]) for _, a in calls)
@@ -490,3 +496,35 @@ def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> 
     )
     assert result.metrics["raw_reward"] == 1.0 and result.metrics["failed_samples"] == 0
     stack.loop.run(ctx.agent_endpoint[1].close())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["rollout.custom_generate_function_path=examples.multi_turn_tool_generate.generate"], "generates"),
+        (["rollout.custom_rm_path=examples.custom_reward.reward"], "returns the reward"),
+        (["rollout.partial_rollout=true"], "partial_rollout is not supported"),
+        (["rollout.agent_tool_call_parser=nosuch"], "not one of SGLang's tool-call parsers"),
+        (["rollout.agent_function_path=tests.test_agent_endpoint.sync_agent"], "must be an `async def`"),
+        (
+            ["rollout.agent_function_path=tests.test_agent_endpoint.two_param_agent"],
+            "f(base_url, api_key, task)",
+        ),
+    ],
+    ids=["custom-generate", "custom-rm", "partial-rollout", "parser", "sync", "signature"],
+)
+def test_the_config_refuses_what_an_agent_cannot_run_with(
+    tiny_model, overrides: list[str], needle: str
+) -> None:
+    agent = "rollout.agent_function_path=examples.openai_agent.run_agent"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.hf_checkpoint={tiny_model('qwen3_moe')}", agent, *overrides])
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def sync_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    return 1.0
+
+
+async def two_param_agent(base_url: str, api_key: str) -> float:
+    return 1.0

@@ -143,6 +143,27 @@ def test_generate_single_with_output_and_input_logprobs(engine: Engine) -> None:
             assert max(abs(x[0] - y[0]) for x, y in zip(a, b, strict=True) if x[0] is not None) < 1e-5
 
 
+def test_top_logprobs(engine: Engine) -> None:
+    """`top_logprobs_num` k: per output token the k most likely tokens, most likely first, from the
+    distribution its logprob was read from (greedy: the sampled token first, with its logprob)."""
+    k = 3
+    greedy = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 4}, return_logprob=True, top_logprobs_num=k)
+    seeded = {"temperature": 0.7, "max_new_tokens": 4, "sampling_seed": 3}
+    sampled = engine.generate(PROMPT, seeded, return_logprob=True, top_logprobs_num=k)
+    for out in (greedy, sampled):
+        meta = out["meta_info"]
+        assert meta["input_top_logprobs"] == [] and len(meta["output_top_logprobs"]) == 4
+        for row, (logprob, token, _) in zip(
+            meta["output_top_logprobs"], meta["output_token_logprobs"], strict=True
+        ):
+            assert len(row) == k and all(len(t) == 3 and t[2] is None for t in row)
+            assert [t[0] for t in row] == sorted((t[0] for t in row), reverse=True)
+            assert logprob <= row[0][0] + 1e-6
+            same = [t[0] for t in row if t[1] == token]
+            assert all(abs(v - logprob) < 1e-5 for v in same)
+    assert [row[0][1] for row in greedy["meta_info"]["output_top_logprobs"]] == greedy["output_ids"]
+
+
 def test_generate_batch_equals_single_requests(engine: Engine) -> None:
     prompts = [PROMPT, [8, 9], [10, 11, 12, 13]]
     batch = engine.generate(prompts, {**GREEDY, "max_new_tokens": 4}, return_logprob=True)  # type: ignore[arg-type]

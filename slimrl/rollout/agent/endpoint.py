@@ -80,7 +80,7 @@ class Session:
     max_seq_len: int | None = None
     turns: list[Turn] = field(default_factory=list)
     replies: list[_Reply] = field(default_factory=list)
-    """One per turn, same order."""
+    """One per turn, same order (`record` appends both)."""
     calls: int = 0
     continued: set[tuple[int, int]] = field(default_factory=set)
     """(call, choice) of turns a later call's prompt was built on."""
@@ -93,6 +93,10 @@ class Session:
     fatal: BaseException | None = None
     """An error that must stop the whole rollout (every engine down)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self, turn: Turn, reply: _Reply) -> None:
+        self.turns.append(turn)
+        self.replies.append(reply)
 
     def end(self, status: Status, reason: str, fatal: BaseException | None = None) -> None:
         if self.status is None:
@@ -227,7 +231,7 @@ class AgentEndpoint:
             if calls:
                 message["tool_calls"] = calls
             echoed = normalize_messages([{**message, "content": content or ""}])[0]
-            session.replies.append(_Reply("chat", messages, keys, tkey, message_key(echoed)))
+            session.record(turn, _Reply("chat", messages, keys, tkey, message_key(echoed)))
             logprobs = (
                 None if req.top_logprobs is None else {"content": self._logprobs(turn), "refusal": None}
             )
@@ -249,7 +253,7 @@ class AgentEndpoint:
         for turn in turns:
             text, finish = self._text(turn, req.stop)
             full = self.tokenizer.decode(turn.completion_ids, skip_special_tokens=False)
-            session.replies.append(_Reply("completion", reply=prompt_text + full))
+            session.record(turn, _Reply("completion", reply=prompt_text + full))
             logprobs = None if req.top_logprobs is None else self._completion_logprobs(turn)
             choices.append(
                 {"index": turn.choice, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -388,7 +392,6 @@ class AgentEndpoint:
             raise ApiError(400, str(exc)) from None
         if any(t.finish_reason == "abort" for t in turns):
             raise self._ended(session, Status.ABORTED, "the rollout aborted the session's model calls")
-        session.turns.extend(turns)
         return turns
 
     def _ended(

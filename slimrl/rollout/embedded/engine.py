@@ -131,6 +131,9 @@ class GenerateRequest:
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    top_logprobs_num: int = 0
+    """The k most likely tokens and their logprobs at every output position (SGLang's
+    `output_top_logprobs`), from the same distribution as `output_token_logprobs`."""
 
 
 @dataclass(kw_only=True)
@@ -159,6 +162,9 @@ class GenerateResult:
     num_retractions: int = 0
     decode_logprob_max_abs_diff: float | None = None
     """With a rescorer: max |decode-time logprob - rescored logprob| over the response."""
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """Per output token, `top_logprobs_num` (logprob, id) pairs, most likely first; None if not asked
+    (decode-time values, also with a rescorer)."""
 
     @property
     def completion_tokens(self) -> int:
@@ -176,6 +182,7 @@ class _Req:
     arrival: float
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     routing: list[torch.Tensor] = field(default_factory=list)
     retractions: int = 0
@@ -872,6 +879,9 @@ class EmbeddedEngine:
     def _accept(self, req: _Req, token: int, logprob: float, dist: torch.Tensor) -> None:
         req.output.append(token)
         req.logprobs.append(logprob)
+        if req.spec.top_logprobs_num:
+            values, ids = torch.topk(dist, min(req.spec.top_logprobs_num, dist.shape[-1]))
+            req.top_logprobs.append(list(zip(values.tolist(), ids.tolist(), strict=True)))
         if self.on_sample is not None:
             self.on_sample(req.rid, dist, token, logprob)
 
@@ -934,6 +944,7 @@ class EmbeddedEngine:
             e2e_latency=time.monotonic() - req.arrival,
             num_retractions=req.retractions,
             decode_logprob_max_abs_diff=decode_diff,
+            output_top_logprobs=list(req.top_logprobs) if spec.top_logprobs_num else None,
         )
 
     def _decode_text(self, ids: list[int], skip_special_tokens: bool) -> str:

@@ -4,7 +4,7 @@ Parsing is strict where SGLang 0.5.23's contract is strict and lenient where it 
 
 * unknown **top-level** keys are ignored (routers add `model`, `stream: false`, `log_metrics`, ...);
 * unknown or ill-typed keys **inside `sampling_params`** are a 400 naming the key;
-* options the embedded engine does not implement (streaming, top-logprobs, penalties, constrained
+* options the embedded engine does not implement (streaming, penalties, constrained
   decoding, n > 1, ...) are accepted at their default value and refused otherwise, by name, rather
   than silently ignored.
 """
@@ -62,7 +62,6 @@ _ALL_KEYS = (*_IMPLEMENTED, *_ACCEPTED_NOOP, *_DEFAULT_ONLY)
 
 _TOP_LEVEL_DEFAULT_ONLY: dict[str, Any] = {
     "stream": False,
-    "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "input_embeds": None,
@@ -229,6 +228,7 @@ def parse_generate(body: Any, tokenizer: Any) -> ParsedGenerate:
     start_len = _per_item(body, "logprob_start_len", n, is_batch, _INT, -1)
     routed = _per_item(body, "return_routed_experts", n, is_batch, _BOOL, False)
     routed_start = _per_item(body, "routed_experts_start_len", n, is_batch, _INT, 0)
+    top_logprobs = _per_item(body, "top_logprobs_num", n, is_batch, _INT, 0)
     flags = {}
     for key in ("return_text_in_logprobs", "return_prompt_token_ids"):
         value = body.get(key)
@@ -244,6 +244,7 @@ def parse_generate(body: Any, tokenizer: Any) -> ParsedGenerate:
             logprob_start_len=start_len[i],
             return_routed_experts=routed[i],
             routed_experts_start_len=routed_start[i],
+            top_logprobs_num=max(top_logprobs[i], 0),
         )
         for i in range(n)
     ]
@@ -291,6 +292,12 @@ def generate_response(
             else []
         )
         meta["output_token_logprobs_length"] = len(result.generated_ids)
+        if result.output_top_logprobs is not None:
+            meta["input_top_logprobs"] = []
+            meta["output_top_logprobs"] = [
+                [[value, token, tokenizer.decode([token]) if with_text else None] for value, token in row]
+                for row in result.output_top_logprobs
+            ]
         if result.decode_logprob_max_abs_diff is not None:
             meta["decode_logprob_max_abs_diff"] = result.decode_logprob_max_abs_diff
     if request.return_routed_experts and result.routed_experts is not None:

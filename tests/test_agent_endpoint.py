@@ -394,6 +394,12 @@ def test_completions_continue_from_the_sampled_ids(stack: Stack) -> None:
     assert first.choices[0].logprobs.token_logprobs == engine
     samples, _ = _build(stack, session)
     assert len(samples) == 1 and samples[0].tokens == in2["input_ids"] + out2["output_ids"]
+    # a stop string ends the text (OpenAI) and stays in the sampled ids
+    stop = text[2:4]
+    stopped = client.completions.create(model="m", prompt="12+34=", max_tokens=6, stop=[stop]).choices[0]
+    sampled = stack.tokenizer.decode(stack.recorder.calls[-1][1]["output_ids"])
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(stop)]
+    assert sampled == text[: text.find(stop) + len(stop)]
 
 
 def _build(stack: Stack, session: Any) -> tuple[list[Sample], list[dict[str, Any]]]:

@@ -128,7 +128,6 @@ class AgentEndpoint:
         """Closed session id -> why (a 404 says it)."""
         self.url = ""
         self._runner: web.AppRunner | None = None
-        self.stop_ids = {tokenizer.eos_token_id} - {None}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> AgentEndpoint:
@@ -221,7 +220,7 @@ class AgentEndpoint:
         turns = await self._generate(session, req, prompt, parent)
         choices, completion_tokens = [], 0
         for turn in turns:
-            text, finish = self._text(turn, req.stop)
+            text, finish = self._text(turn)
             content, calls = text, []
             if req.tools and req.tool_choice != "none":
                 content, calls = self.chat.parse_tool_calls(text, tools)
@@ -251,7 +250,7 @@ class AgentEndpoint:
         turns = await self._generate(session, req, prompt, parent)
         choices, completion_tokens = [], 0
         for turn in turns:
-            text, finish = self._text(turn, req.stop)
+            text, finish = self._text(turn)
             full = self.tokenizer.decode(turn.completion_ids, skip_special_tokens=False)
             session.record(turn, _Reply("completion", reply=prompt_text + full))
             logprobs = None if req.top_logprobs is None else self._completion_logprobs(turn)
@@ -292,7 +291,7 @@ class AgentEndpoint:
             if keys == reply.keys:  # the same conversation again: the same prompt ids
                 return list(turn.prompt_ids), None
             if len(keys) > k and keys[:k] == reply.keys and keys[k] == reply.reply:
-                last = turn.completion_ids[-1:] if turn.finish_reason == "stop" else []
+                last = turn.completion_ids[-1:] if isinstance(turn.matched, int) else []
                 last_text = self.tokenizer.decode(last, skip_special_tokens=False) if last else None
                 text = self.chat.continuation(messages[: k + 1], messages, tools, last_text)
                 if text is not None:
@@ -402,20 +401,18 @@ class AgentEndpoint:
         return ApiError(503, f"The session ended: {reason}", type="server_error", code="session_ended")
 
     # ---------------------------------------------------------------- replies
-    def _text(self, turn: Turn, stop: list[str]) -> tuple[str, str]:
-        """The completion as the agent gets it, and OpenAI's finish reason: a stop token or string
-        leaves the text (it stays in the sampled ids)."""
-        ids = turn.completion_ids
-        if turn.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+    def _text(self, turn: Turn) -> tuple[str, str]:
+        """The completion as the agent gets it, and OpenAI's finish reason: the stop token or string
+        the engine matched leaves the text (it stays in the sampled ids)."""
+        ids, matched = turn.completion_ids, turn.matched
+        if turn.finish_reason == "stop" and isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if turn.finish_reason == "stop":
-            for s in stop:
-                if text.endswith(s):
-                    text = text[: -len(s)]
-                    break
-            return text, "stop"
-        return text, "length"
+        if turn.finish_reason != "stop":
+            return text, "length"
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]  # as SGLang trims it
+        return text, "stop"
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

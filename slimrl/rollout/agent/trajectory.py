@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from slimrl.errors import SlimError
+from slimrl.rollout.generate import turn_weight_versions
 from slimrl.rollout.routing import RoutingLayout, decode_routed_experts
 from slimrl.sample import Sample, Status
 from slimrl.sampled import record_span
@@ -45,6 +46,8 @@ class Turn:
     logprobs: list[float]
     finish_reason: str
     """The engine's: `stop`, `length` or `abort`."""
+    matched: int | str | None = None
+    """What a `stop` matched: a stop token id (the last completion id) or a stop string."""
     weight_versions: list[str] = field(default_factory=list)
     routing: str | None = None
     """`meta_info.routed_experts` as returned (base64 int32), rows from `routing_start` on."""
@@ -71,11 +74,10 @@ def turn_from_response(
     call: int, choice: int, prompt_ids: list[int], response: dict[str, Any], start: int
 ) -> Turn:
     """One engine answer as a turn; the ids and the logprob triples must agree."""
-    from slimrl.rollout.generate import turn_weight_versions
-
     meta = response.get("meta_info", {})
     ids = [int(t) for t in response.get("output_ids", [])]
     triples = meta.get("output_token_logprobs") or []
+    finish = meta.get("finish_reason") or {}
     if [int(t[1]) for t in triples] != ids:
         raise SlimError(
             f"call {call}: the engine's output_ids and output_token_logprobs name different tokens "
@@ -87,7 +89,8 @@ def turn_from_response(
         prompt_ids=list(prompt_ids),
         completion_ids=ids,
         logprobs=[float(t[0]) for t in triples],
-        finish_reason=(meta.get("finish_reason") or {}).get("type", "abort"),
+        finish_reason=finish.get("type", "abort"),
+        matched=finish.get("matched") if isinstance(finish.get("matched"), int | str) else None,
         weight_versions=turn_weight_versions(meta),
         routing=meta.get("routed_experts"),
         routing_start=start,

@@ -220,6 +220,15 @@ async def blocking_agent(base_url: str, api_key: str, task: dict[str, Any]) -> f
     return 1.0
 
 
+async def synchronous_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+    """The synchronous client inside an `async def`: it blocks this run's own loop only."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key)
+    reply = client.chat.completions.create(
+        model="m", messages=openai_agent.first_messages(task), max_tokens=3
+    )
+    return float(reply.usage.completion_tokens)
+
+
 async def silent_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
     return 1.0
 
@@ -473,6 +482,14 @@ def test_a_failing_agent_is_a_failed_sample_with_its_reason(stack: Stack, agent:
     assert sample.status == Status.FAILED and sample.metadata["failure"].startswith(reason)
     assert time.monotonic() - started < 30
     assert sample.tokens == [] and sample.reward is None
+
+
+def test_a_synchronous_agent_runs_in_a_thread_of_its_own(stack: Stack) -> None:
+    mark = stack.mark()
+    (sample,) = stack.run_agent(synchronous_agent)
+    ((request, answer),) = stack.recorder.calls[mark:]
+    assert sample.status == Status.TRUNCATED and sample.reward == 3.0
+    assert sample.tokens == request["input_ids"] + answer["output_ids"]
 
 
 def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> None:

@@ -18,15 +18,20 @@ from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.megatron_bridge.dist_ckpt import load_model
+from slimrl.megatron_bridge.loading import load_hf_into_megatron
 from slimrl.megatron_bridge.megatron_config import BuildOptions
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
-from slimrl.trainer import losses
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer import losses, rl, weight_sync
+from slimrl.trainer.batch import TrainBatch, digest_problem
+from slimrl.trainer.checkpoint import load_train_state, save_train_state
 from slimrl.trainer.critic import Critic
 from slimrl.trainer.distributed import RankInfo, check_groups_against_ledger, init_distributed, use_cuda
+from slimrl.trainer.hf_export import HF_DIR, save_hf
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
-from slimrl.trainer.offload import Offloader
+from slimrl.trainer.numerics import agreed_first
+from slimrl.trainer.offload import Offloader, _bytes_of, _storages
 from slimrl.trainer.step import StepRunner
 from slimrl.trainer.weight_store import WeightStore
 
@@ -64,12 +69,8 @@ class MegatronActor:
         options = self.options = build_options(self.config, use_cuda())
         chunks = build_gpt_chunks(self.arch, self.layout, options, self.config.train.max_seq_len)
         if self.config.model.init_from_hf:
-            from slimrl.megatron_bridge.loading import load_hf_into_megatron
-
             load_hf_into_megatron(chunks, self.arch, self.layout, self.config.model.hf_checkpoint)
         if self.config.model.load:  # e.g. an SFT run's checkpoint: its weights, not its optimizer
-            from slimrl.megatron_bridge.dist_ckpt import load_model
-
             load_model(chunks, Path(self.config.model.load))
         num_frozen = freeze(chunks, self.config.train.frozen_params)
         if options.routing_replay:
@@ -102,8 +103,6 @@ class MegatronActor:
         if ref_load is None:
             self.weights.save("ref")
             return
-        from slimrl.megatron_bridge.dist_ckpt import load_model
-
         self.weights.save("policy")
         load_model(chunks, Path(ref_load))
         self.weights.save("ref")
@@ -153,10 +152,6 @@ class MegatronActor:
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Logprob passes, advantages and `train.steps_per_rollout` policy updates."""
-        from slimrl.trainer import rl
-        from slimrl.trainer.batch import digest_problem
-        from slimrl.trainer.numerics import agreed_first
-
         found = agreed_first(digest_problem(batch))  # every rank refuses together (no rank hangs)
         if found is not None:
             raise SlimError(f"trainer rank {found[0]}: {found[1]}")
@@ -165,8 +160,6 @@ class MegatronActor:
 
     def response_logprobs(self, batch: TrainBatch) -> dict[int, list[float]]:
         """Per-sample response logprobs under the current weights (last pipeline stage only)."""
-        from slimrl.trainer import rl
-
         return rl.response_logprobs(self, batch)["logprobs"]
 
     def probe_logprobs(self, tokens: list[int]) -> list[float] | None:
@@ -194,26 +187,18 @@ class MegatronActor:
         trace_dir: str | None = None,
     ) -> dict[str, float]:
         """Stream the current weights (HF names) to every rollout engine."""
-        from slimrl.trainer.weight_sync import push_weights
-
         rollout = self.config.rollout
-        return push_weights(
+        return weight_sync.push_weights(
             self, urls, transport, version, sync_dir, rollout.api_key, rollout.admin_api_key, trace_dir,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str) -> None:
-        from slimrl.trainer.checkpoint import save_train_state
-
         save_train_state(self, Path(directory))
         if self.config.checkpoint.save_hf:
-            from slimrl.trainer.hf_export import HF_DIR, save_hf
-
             save_hf(self, Path(directory) / HF_DIR)
 
     def load_checkpoint(self, directory: str) -> int:
-        from slimrl.trainer.checkpoint import load_train_state
-
         load_train_state(self, Path(directory))
         return self.steps_done
 
@@ -236,8 +221,6 @@ class MegatronActor:
     def state_digests(self) -> dict[str, str]:
         """sha256 of parameters, gradient buffers and optimizer state: an offload/onload cycle
         must leave every byte unchanged."""
-        from slimrl.trainer.offload import _bytes_of, _storages
-
         assert self.state is not None
         states = [self.state] + ([self.critic.state] if self.critic is not None else [])
         storages = [s for state in states for s in _storages(state.model, state.optimizer)]

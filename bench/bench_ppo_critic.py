@@ -57,7 +57,7 @@ def main() -> int:
         assert critic is not None
         base = make_batch(actor.arch.vocab_size, args.samples)
         rollout = actor.response_logprobs(base)
-        base.per_token["rollout_log_probs"] = [rollout[i] for i in range(len(base))]
+        base.per_token.rollout_logp = [rollout[i] for i in range(len(base))]
 
         def batch():  # every step gets a fresh copy: PPO writes its advantages into the batch
             return base.select(list(range(len(base))))
@@ -71,7 +71,7 @@ def main() -> int:
 
         def critic_step() -> None:
             part = batch()
-            part.per_token[ppo.TOKEN_REWARDS] = ppo.token_rewards(actor, part)
+            part.per_token.token_rewards = ppo.token_rewards(actor, part)
             critic.train_step(actor, part, fused=True)
 
         critic_parts: list[float] = []

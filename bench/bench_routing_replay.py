@@ -128,7 +128,7 @@ def main() -> int:
 
     from slimrl.data.tiny_models import make_tiny
     from slimrl.trainer.actor import MegatronActor
-    from slimrl.trainer.batch import TrainBatch
+    from slimrl.trainer.batch import PerToken, TrainBatch
     from slimrl.trainer.distributed import RankInfo
     from slimrl.utils.net import free_port
 
@@ -157,10 +157,9 @@ def main() -> int:
             tokens=tokens,
             response_lengths=responses,
             loss_masks=[[1] * n for n in responses],
-            per_token={
-                "advantages": [[rng.choice([-1.0, 1.0])] * n for n in responses],
-                "rollout_log_probs": engine_lp,
-            },
+            per_token=PerToken(
+                advantages=[[rng.choice([-1.0, 1.0])] * n for n in responses], rollout_logp=engine_lp
+            ),
             global_num_tokens=sum(responses),
             global_num_seqs=args.samples,
             routed_experts=[routing for _, routing in scored],

@@ -59,7 +59,7 @@ def tiny_actor(tmp: str, budget: int, *overrides: str):
 
 def make_batch(vocab: int, samples: int, seed: int = 0):
     """Prompts of 32..96 tokens, responses lognormal around 100 tokens (capped at 512)."""
-    from slimrl.trainer.batch import TrainBatch
+    from slimrl.trainer.batch import PerToken, TrainBatch
 
     rng = random.Random(seed)
     tokens, responses = [], []
@@ -72,7 +72,7 @@ def make_batch(vocab: int, samples: int, seed: int = 0):
         tokens=tokens,
         response_lengths=responses,
         loss_masks=[[1] * n for n in responses],
-        per_token={"advantages": [[rng.choice([-1.0, 1.0])] * n for n in responses]},
+        per_token=PerToken(advantages=[[rng.choice([-1.0, 1.0])] * n for n in responses]),
         global_num_tokens=sum(responses),
         global_num_seqs=samples,
     )
@@ -106,7 +106,7 @@ def main() -> int:
         config = actor.config
         batch = make_batch(actor.arch.vocab_size, args.samples)
         rollout = actor.response_logprobs(batch)
-        batch.per_token["rollout_log_probs"] = [rollout[i] for i in range(len(batch))]
+        batch.per_token.rollout_logp = [rollout[i] for i in range(len(batch))]
         algo = config.algorithm
 
         def rl_with_rollout_logprobs() -> object:

@@ -22,6 +22,7 @@ from slimrl.rollout import filters
 from slimrl.sample import Sample, Status
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer import rl
+from slimrl.trainer.batch import PerToken
 
 F64 = torch.float64
 SEEDS = [0, 1, 2, 3]
@@ -826,7 +827,7 @@ def _token_advantages(config: SlimConfig, groups: list[list[Sample]], dp: int) -
     return {
         tokens[0]: values
         for b in batches
-        for tokens, values in zip(b.tokens, b.per_token[rl.ADVANTAGES], strict=True)
+        for tokens, values in zip(b.tokens, b.per_token.advantages, strict=True)
     }
 
 
@@ -872,8 +873,8 @@ def test_reinforce_plus_plus_uses_the_loss_mask_for_kl_returns_and_whitening(dp:
     ref = {0: [-1.5, -2.5, -50.5, -3.5, -40.5], 1: [-0.5] * 2}  # old - ref = k1 = (1, 2, 50, 3, 40)
     batches = train_batches(config, groups, dp)
     for b in batches:
-        b.per_token[rl.OLD_LOGP] = [old[tokens[0]] for tokens in b.tokens]
-        b.per_token[rl.REF_LOGP] = [ref[tokens[0]] for tokens in b.tokens]
+        b.per_token.old_logp = [old[tokens[0]] for tokens in b.tokens]
+        b.per_token.ref_logp = [ref[tokens[0]] for tokens in b.tokens]
     reducer = _ThreadAllReduce(dp)
     threads = [
         threading.Thread(target=rl._token_level_advantages, args=(_actor(config, reducer.for_rank(k)), b))
@@ -883,7 +884,7 @@ def test_reinforce_plus_plus_uses_the_loss_mask_for_kl_returns_and_whitening(dp:
         thread.start()
     for thread in threads:
         thread.join()
-    got = {t[0]: v for b in batches for t, v in zip(b.tokens, b.per_token[rl.ADVANTAGES], strict=True)}
+    got = {t[0]: v for b in batches for t, v in zip(b.tokens, b.per_token.advantages, strict=True)}
     mean, std = 0.165, math.sqrt(0.0754 + 1e-8)  # whiten's eps inside the square root
     w = lambda x: (x - mean) / std  # noqa: E731
     assert got[0] == pytest.approx([w(-0.025), w(0.15), 0.0, w(0.7), 0.0], abs=1e-12)
@@ -934,7 +935,7 @@ def test_kl_loss_and_entropy_use_the_policy_loss_reduction(reduction: str, kl: f
     """The trainer's loss (`rl.rl_loss`) reduces the KL loss and the entropy bonus like the policy loss."""
     algo = _config(loss_reduction=reduction, kl_loss_coef=1.0, kl_estimator="k1", entropy_coef=0.5).algorithm
     logp = torch.zeros(1, 4, dtype=F64, requires_grad=True)
-    per_token = {rl.ADVANTAGES: torch.zeros(1, 4, dtype=F64), rl.REF_LOGP: _t([[-0.2, -0.1, 0.1, -0.3]])}
+    per_token = PerToken(advantages=torch.zeros(1, 4, dtype=F64), ref_logp=_t([[-0.2, -0.1, 0.1, -0.3]]))
     loss, report = rl.rl_loss(
         algo,
         logp,
@@ -1061,7 +1062,7 @@ def test_remove_sample_and_overlong_filtering_zero_the_loss_mask() -> None:
     assert batch.global_num_tokens == 3
     assert rl.step_counts(batch.loss_masks) == {"tokens": 3.0, "seqs": 1.0}
     # group statistics still include them: GRPO (unbiased std) over rewards (1, 0, 0.5)
-    advantages = {t[0]: v[0] for t, v in zip(batch.tokens, batch.per_token[rl.ADVANTAGES], strict=True)}
+    advantages = {t[0]: v[0] for t, v in zip(batch.tokens, batch.per_token.advantages, strict=True)}
     assert advantages[0] == pytest.approx(0.5 / (0.5 + 1e-6))
     # without overlong filtering a truncated sample trains
     (batch,) = train_batches(_config(), [[_sample(2, 0, 0.5, [1, 1], status=Status.TRUNCATED)] * 2], 1)
@@ -1142,12 +1143,12 @@ def test_extreme_and_masked_tokens_give_finite_loss_and_gradient(
     mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]], dtype=dtype)  # two sequences, padding at the end
     ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
     logp = torch.tensor([[-INF, -1.0, -2.0, -0.5, NAN, -1.0, -3.0, INF]], dtype=dtype, requires_grad=True)
-    per_token = {
-        rl.OLD_LOGP: torch.tensor([[INF, 999.0, -1002.0, -0.4, -INF, -1001.0, 997.0, NAN]], dtype=dtype),
-        rl.ROLLOUT_LOGP: torch.tensor([[NAN, -1001.0, 998.0, -0.5, INF, 999.0, -1003.0, -INF]], dtype=dtype),
-        rl.REF_LOGP: torch.tensor([[INF, 1000.0, -1000.0, -0.6, NAN, -999.0, 1000.0, -INF]], dtype=dtype),
-        rl.ADVANTAGES: torch.tensor([[NAN, 1.0, -1.0, 0.5, INF, -2.0, -2.0, -INF]], dtype=dtype),
-    }
+    per_token = PerToken(
+        old_logp=torch.tensor([[INF, 999.0, -1002.0, -0.4, -INF, -1001.0, 997.0, NAN]], dtype=dtype),
+        rollout_logp=torch.tensor([[NAN, -1001.0, 998.0, -0.5, INF, 999.0, -1003.0, -INF]], dtype=dtype),
+        ref_logp=torch.tensor([[INF, 1000.0, -1000.0, -0.6, NAN, -999.0, 1000.0, -INF]], dtype=dtype),
+        advantages=torch.tensor([[NAN, 1.0, -1.0, 0.5, INF, -2.0, -2.0, -INF]], dtype=dtype),
+    )
     entropy = torch.tensor([[INF, 1.0, 2.0, 0.5, NAN, 1.0, 0.1, INF]], dtype=dtype, requires_grad=True)
     loss, report = rl.rl_loss(
         algo, logp, entropy, mask, ids, per_token, global_tokens=5, global_seqs=2, norm_tokens=8

@@ -10,7 +10,7 @@ from slimrl.errors import SlimError
 from slimrl.orchestration.train_data import split_for_dp
 from slimrl.sample import Sample
 from slimrl.trainer import batch as batch_module
-from slimrl.trainer.batch import TrainBatch, collate, collate_packed, split_by_tokens
+from slimrl.trainer.batch import PerToken, TrainBatch, collate, collate_packed, split_by_tokens
 
 
 def _batch(lengths, response=2):
@@ -19,7 +19,7 @@ def _batch(lengths, response=2):
         tokens=tokens,
         response_lengths=[response] * len(lengths),
         loss_masks=[[1, 0] if response == 2 else [1] * response for _ in lengths],
-        per_token={"adv": [[0.5, -1.5] for _ in lengths]},
+        per_token=PerToken(advantages=[[0.5, -1.5] for _ in lengths]),
         global_num_tokens=len(lengths),
     )
 
@@ -31,7 +31,7 @@ def test_collate_aligns_response_values_with_labels():
     assert mb.labels_BS[0, 2:4].tolist() == [13, 14]
     assert mb.loss_mask_BS[0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
     assert mb.response_mask_BS[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
-    assert mb.per_token_BS["adv"][1].tolist() == [0.5, -1.5, 0, 0, 0, 0, 0, 0]  # response starts at 1
+    assert mb.per_token_BS.advantages[1].tolist() == [0.5, -1.5, 0, 0, 0, 0, 0, 0]  # response starts at 1
     assert mb.seq_index_BS[1].tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
 
 
@@ -41,7 +41,7 @@ def test_collate_pads_rows_with_loss_free_padding():
     assert mb.tokens_BS.shape == (3, 6) and mb.num_seqs == 2
     assert mb.tokens_BS[2].tolist() == [0] * 6 and mb.seq_index_BS[2].tolist() == [-1] * 6
     assert mb.loss_mask_BS[2].sum() == 0 and mb.response_mask_BS[2].sum() == 0
-    assert mb.per_token_BS["adv"][2].tolist() == [0.0] * 6
+    assert mb.per_token_BS.advantages[2].tolist() == [0.0] * 6
     assert set(mb.per_sequence(torch.ones(3, 6))) == {0, 1}
 
 
@@ -58,7 +58,7 @@ def test_collate_writes_what_the_row_by_row_reference_writes(monkeypatch, packed
             tokens=[[rng.randint(0, 99) for _ in range(p + r)] for p, r in lengths],
             response_lengths=[r for _, r in lengths],
             loss_masks=[[rng.randint(0, 1) for _ in range(r)] for _, r in lengths],
-            per_token={"adv": [[rng.uniform(-3, 3) for _ in range(r)] for _, r in lengths]},
+            per_token=PerToken(advantages=[[rng.uniform(-3, 3) for _ in range(r)] for _, r in lengths]),
         )
         multiple = rng.choice([1, 2, 4])
         fast = collate_packed(batch, pad_to_multiple=multiple) if packed else collate(batch, multiple)
@@ -72,7 +72,7 @@ def test_collate_writes_what_the_row_by_row_reference_writes(monkeypatch, packed
                      "seq_index_BS"):  # fmt: skip
             assert torch.equal(getattr(fast, name), getattr(slow, name)), name
             assert getattr(fast, name).dtype == getattr(slow, name).dtype, name
-        assert torch.equal(fast.per_token_BS["adv"], slow.per_token_BS["adv"])
+        assert torch.equal(fast.per_token_BS.advantages, slow.per_token_BS.advantages)
         assert (fast.attention_mask is None) == (slow.attention_mask is None)
         if packed:
             assert torch.equal(fast.attention_mask, slow.attention_mask)

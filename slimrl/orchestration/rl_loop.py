@@ -31,6 +31,7 @@ from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
+from slimrl.trainer.batch import PerToken
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
 
@@ -79,12 +80,13 @@ def train_batches(config: SlimConfig, groups: list[list[Sample]], dp: int):
             if sample.status == Status.TRUNCATED:
                 sample.remove_sample = True
     per_sample = sample_advantages(config, groups)
+    broadcast = [[a] * s.response_length for a, s in zip(per_sample, samples, strict=True)]
+    rollout_logp = [list(s.rollout_log_probs or [0.0] * s.response_length) for s in samples]
     # final advantages, or for a token-level estimator the score the trainer starts from
-    key = "scores" if estimators.traits(config.algorithm.advantage_estimator).token_level else "advantages"
-    per_token = {
-        key: [[a] * s.response_length for a, s in zip(per_sample, samples, strict=True)],
-        "rollout_log_probs": [list(s.rollout_log_probs or [0.0] * s.response_length) for s in samples],
-    }
+    if estimators.traits(config.algorithm.advantage_estimator).token_level:
+        per_token = PerToken(rollout_logp=rollout_logp, scores=broadcast)
+    else:
+        per_token = PerToken(rollout_logp=rollout_logp, advantages=broadcast)
     return split_for_dp(samples, dp, per_token, routing=config.algorithm.routing_replay)
 
 

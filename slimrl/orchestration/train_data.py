@@ -7,13 +7,13 @@ import numpy as np
 from slimrl.errors import SlimError
 from slimrl.sample import Sample
 from slimrl.sampled import train_digest
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 
 
 def split_for_dp(
     samples: list[Sample],
     dp_size: int,
-    per_token: dict[str, list[list[float]]] | None = None,
+    per_token: PerToken[list[list[float]]] | None = None,
     routing: bool = False,
 ) -> list[TrainBatch]:
     """Equal sample counts per rank (every rank runs the same number of micro-batches, which
@@ -30,13 +30,13 @@ def split_for_dp(
         members[rank].append(i)
         load[rank] += len(samples[i].tokens)
     global_tokens = sum(sum(s.train_loss_mask()) for s in samples)  # removed samples: all zeros
-    extra = per_token or {}
+    extra = per_token or PerToken()
     return [
         TrainBatch(
             tokens=[samples[i].tokens for i in idx],
             response_lengths=[samples[i].response_length for i in idx],
             loss_masks=[samples[i].train_loss_mask() for i in idx],
-            per_token={key: [values[i] for i in idx] for key, values in extra.items()},
+            per_token=extra.map(lambda values, idx=idx: [values[i] for i in idx]),
             global_num_tokens=global_tokens,
             global_num_seqs=len(samples),
             routed_experts=[_routing(samples[i]) for i in idx] if routing else None,

@@ -8,12 +8,51 @@ token t+1 (the logits at t predict it), so a response token at absolute position
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
 from slimrl.errors import SlimError
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass
+class PerToken(Generic[T]):
+    """What a step carries per response token beside the tokens, each None until something sets it.
+    In a `TrainBatch` each is a list per sequence (its response tokens); in a `MicroBatch` a [B, S]
+    tensor aligned with the labels. The driver sets `rollout_logp` and, by estimator, `advantages`
+    (group estimators) or `scores` (token-level ones); the trainer's passes add the rest."""
+
+    rollout_logp: T | None = None
+    """The engine's logprob of each sampled token."""
+    advantages: T | None = None
+    """The advantage each token is trained with."""
+    scores: T | None = None
+    """Token-level estimators: the sample's score on every token (raw reward, or group-centred for
+    REINFORCE++-baseline), from which the trainer computes `advantages`."""
+    old_logp: T | None = None
+    """The policy's logprobs before this rollout's first update (the ratio's denominator)."""
+    ref_logp: T | None = None
+    """The reference model's logprobs (KL terms)."""
+    token_rewards: T | None = None
+    """PPO: the score on the last loss token minus the KL penalty on each."""
+    old_values: T | None = None
+    """PPO: the critic's values before its update (the value clip's anchor)."""
+    returns: T | None = None
+    """PPO: GAE's returns (the value loss's target)."""
+
+    def items(self) -> list[tuple[str, T]]:
+        """The values that are set, by name, in declaration order."""
+        return [(f.name, value) for f in fields(self) if (value := getattr(self, f.name)) is not None]
+
+    def map(self, fn: Callable[[T], U]) -> PerToken[U]:
+        """`fn` applied to every value that is set."""
+        return PerToken(**{name: fn(value) for name, value in self.items()})
 
 
 @dataclass(kw_only=True)
@@ -24,8 +63,8 @@ class TrainBatch:
     response_lengths: list[int]
     loss_masks: list[list[int]]
     """Per response token."""
-    per_token: dict[str, list[list[float]]] = field(default_factory=dict)
-    """Extra per-response-token values: advantages, rollout_log_probs, old/ref logprobs..."""
+    per_token: PerToken[list[list[float]]] = field(default_factory=PerToken)
+    """Per response token: advantages, rollout and old/ref logprobs, ... (`PerToken`)."""
     global_num_tokens: int = 0
     """Loss-masked tokens of the whole optimizer step over all DP ranks (the token-mean divisor)."""
     global_num_seqs: int = 0
@@ -55,7 +94,7 @@ class TrainBatch:
             tokens=[self.tokens[i] for i in indices],
             response_lengths=[self.response_lengths[i] for i in indices],
             loss_masks=[self.loss_masks[i] for i in indices],
-            per_token={k: [v[i] for i in indices] for k, v in self.per_token.items()},
+            per_token=self.per_token.map(lambda values: [values[i] for i in indices]),
             global_num_tokens=self.global_num_tokens,
             global_num_seqs=self.global_num_seqs,
             ids=[self.ids[i] for i in indices],
@@ -73,7 +112,7 @@ class MicroBatch:
     """1.0 where the label is a trained response token."""
     response_mask_BS: torch.Tensor
     """1.0 where the label is any response token (trained or not)."""
-    per_token_BS: dict[str, torch.Tensor]
+    per_token_BS: PerToken[torch.Tensor]
     seq_index_BS: torch.Tensor
     """Index (within this micro-batch) of the sequence each position belongs to, -1 for padding."""
     sample_ids: list[int]
@@ -137,7 +176,7 @@ def _fill_rows(batch: TrainBatch, placements: list[tuple[int, int, int]], t: dic
     positions: list[int] = []
     response_at: list[int] = []
     loss_mask: list[int] = []
-    per_token: dict[str, list[float]] = {key: [] for key in batch.per_token}
+    per_token: dict[str, list[float]] = {key: [] for key, _ in batch.per_token.items()}
     for j, offset, row in placements:
         seq = batch.tokens[j]
         n, r = len(seq), batch.response_lengths[j]
@@ -145,7 +184,7 @@ def _fill_rows(batch: TrainBatch, placements: list[tuple[int, int, int]], t: dic
             n - r - 1 >= 0
             and offset + n <= width
             and len(batch.loss_masks[j]) == r
-            and all(len(values[j]) == r for values in batch.per_token.values())
+            and all(len(values[j]) == r for _, values in batch.per_token.items())
         )
         if not regular:
             _fill_row(batch, j, offset, row, t)
@@ -216,7 +255,7 @@ def _micro_batch(
         labels_BS=t["labels"],
         loss_mask_BS=t["loss_mask"],
         response_mask_BS=t["response_mask"],
-        per_token_BS={k: t[k] for k in batch.per_token},
+        per_token_BS=PerToken(**{key: t[key] for key, _ in batch.per_token.items()}),
         seq_index_BS=t["seq_index"],
         sample_ids=list(batch.ids),
         attention_mask=mask,
@@ -232,7 +271,7 @@ def collate(
     longest = max(max(len(t) for t in batch.tokens), min_length)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
     rows = max(len(batch), min_rows)
-    t = _empty(rows, length, list(batch.per_token), pad_id)
+    t = _empty(rows, length, [key for key, _ in batch.per_token.items()], pad_id)
     placements = [(row, 0, row) for row in range(len(batch))]
     _fill_rows(batch, placements, t)
     return _micro_batch(batch, t, None, _routing(batch, placements, rows, length))
@@ -244,7 +283,7 @@ def collate_packed(batch: TrainBatch, pad_id: int = 0, pad_to_multiple: int = 1)
     in the row it starts."""
     total = sum(len(t) for t in batch.tokens)
     length = -(-total // pad_to_multiple) * pad_to_multiple
-    t = _empty(1, length, list(batch.per_token), pad_id)
+    t = _empty(1, length, [key for key, _ in batch.per_token.items()], pad_id)
     offsets, offset = [], 0
     for seq in batch.tokens:
         offsets.append(offset)
@@ -300,7 +339,7 @@ def pad_micro_batch_count(parts: list[TrainBatch], count: int) -> list[TrainBatc
         tokens=shortest.tokens,
         response_lengths=shortest.response_lengths,
         loss_masks=[[0] * len(m) for m in shortest.loss_masks],
-        per_token={k: [[0.0] * len(v[0])] for k, v in shortest.per_token.items()},
+        per_token=shortest.per_token.map(lambda values: [[0.0] * len(values[0])]),
         global_num_tokens=shortest.global_num_tokens,
         global_num_seqs=shortest.global_num_seqs,
         ids=[-1],

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.batch import MicroBatch, TrainBatch
 
-OLD_VALUES, RETURNS, TOKEN_REWARDS = "old_values", "returns", "token_rewards"
 """Per-token keys of a PPO batch: values before the update, GAE returns, rewards per token."""
 HEAD_PREFIX = "output_layer."
 
@@ -101,10 +100,10 @@ class Critic:
     ) -> tuple[dict[str, float], dict[int, list[float]]]:
         """One optimizer step of the clipped value loss (`algorithms.value_loss`) on `batch`.
 
-        Unfused, the batch carries OLD_VALUES (from `values`) and RETURNS (GAE). Fused, with one
+        Unfused, the batch carries `old_values` (from `values`) and `returns` (GAE). Fused, with one
         step per rollout, the old values are this forward's own values, detached (the critic being
         trained is the one the rollout is scored with, so the value clip is inactive, as in PPO's
-        first mini-batch), and GAE runs on them per micro-batch from TOKEN_REWARDS: a whole
+        first mini-batch), and GAE runs on them per micro-batch from `token_rewards`: a whole
         forward-only pass is saved. Returns the metrics and, fused, the unwhitened advantages of
         each sequence (last pipeline stage; empty elsewhere).
         """
@@ -120,11 +119,11 @@ class Critic:
             if fused:
                 old = values.detach()
                 adv, returns = alg.gae_vectorised(
-                    mb.per_token_BS[TOKEN_REWARDS], old, mask, algo.gamma, algo.lambd, mb.seq_index_BS
+                    mb.per_token_BS.token_rewards, old, mask, algo.gamma, algo.lambd, mb.seq_index_BS
                 )
                 advantages.update(mb.per_sequence(adv))
             else:
-                old, returns = mb.per_token_BS[OLD_VALUES], mb.per_token_BS[RETURNS]
+                old, returns = mb.per_token_BS.old_values, mb.per_token_BS.returns
             loss, stats = alg.value_loss(values, old, returns, mask, clip, global_tokens)
             tokens = mask.sum()
             report = {

@@ -24,7 +24,6 @@ import torch
 
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer import rl
-from slimrl.trainer.critic import OLD_VALUES, RETURNS, TOKEN_REWARDS
 
 if TYPE_CHECKING:
     from slimrl.trainer.actor import MegatronActor
@@ -67,13 +66,14 @@ def separate_value_pass(actor: MegatronActor, batch: TrainBatch) -> None:
     assert actor.critic is not None
     algo = actor.config.algorithm
     values = _per_sample(batch, actor.critic.values(actor, batch))
-    rewards, _ = rl._padded(batch.per_token[TOKEN_REWARDS])
+    assert batch.per_token.token_rewards is not None
+    rewards, _ = rl._padded(batch.per_token.token_rewards)
     old, _ = rl._padded(values)
     mask, _ = rl._padded([[float(m) for m in lm] for lm in batch.loss_masks])
     advantages, returns = alg.gae_vectorised(rewards, old, mask, algo.gamma, algo.lambd)
-    batch.per_token[OLD_VALUES] = values
-    batch.per_token[RETURNS] = _rows(batch, returns.tolist())
-    batch.per_token[rl.ADVANTAGES] = whiten_over_dp(actor, batch, _rows(batch, advantages.tolist()))
+    batch.per_token.old_values = values
+    batch.per_token.returns = _rows(batch, returns.tolist())
+    batch.per_token.advantages = whiten_over_dp(actor, batch, _rows(batch, advantages.tolist()))
 
 
 def in_warmup(actor: MegatronActor) -> bool:
@@ -86,7 +86,7 @@ def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     assert actor.critic is not None
     start = time.perf_counter()
     metrics = rl.prepare(actor, batch)
-    batch.per_token[TOKEN_REWARDS] = token_rewards(actor, batch)
+    batch.per_token.token_rewards = token_rewards(actor, batch)
     steps = actor.config.train.steps_per_rollout
     fused = steps == 1
     if not fused:
@@ -103,7 +103,7 @@ def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
         part = batch.select(indices)
         current, advantages = actor.critic.train_step(actor, part, fused)
         if fused:
-            part.per_token[rl.ADVANTAGES] = whiten_over_dp(actor, part, _per_sample(part, advantages))
+            part.per_token.advantages = whiten_over_dp(actor, part, _per_sample(part, advantages))
         if not warmup:
             current.update(rl.policy_step(actor, part))
         step_metrics.append(current)

@@ -17,7 +17,7 @@ import torch
 
 from slimrl import estimators
 from slimrl.trainer import algorithms as alg
-from slimrl.trainer.batch import MicroBatch, TrainBatch
+from slimrl.trainer.batch import MicroBatch, PerToken, TrainBatch
 from slimrl.trainer.logprobs import token_logprobs
 from slimrl.trainer.step import token_means
 
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from slimrl.config.schema import AlgorithmConfig, SlimConfig
     from slimrl.trainer.actor import MegatronActor
 
-ROLLOUT_LOGP, OLD_LOGP, REF_LOGP, ADVANTAGES = "rollout_log_probs", "old_logp", "ref_logp", "advantages"
-SCORES = "scores"
-"""What the driver sends for a token-level estimator (`estimators.Traits.token_level`): each
-sample's score on its every token, from which the trainer computes `ADVANTAGES` (group estimators
-get their final advantages from the driver instead)."""
 MISMATCH = "mismatch/"
 """Prefix of the train/rollout mismatch sums that the loss reports when old logprobs are fused."""
 
@@ -73,11 +68,9 @@ def response_logprobs(actor: MegatronActor, batch: TrainBatch, with_entropy: boo
     return {"logprobs": kept.get("logprobs", {}), "entropy": kept.get("entropy", {})}
 
 
-def _attach(batch: TrainBatch, key: str, per_sample: dict[int, list[float]]) -> None:
+def _per_token(batch: TrainBatch, per_sample: dict[int, list[float]]) -> list[list[float]]:
     """Per-token values for every sequence (zeros where this rank has none: not the last stage)."""
-    batch.per_token[key] = [
-        per_sample.get(i, [0.0] * batch.response_lengths[k]) for k, i in enumerate(batch.ids)
-    ]
+    return [per_sample.get(i, [0.0] * batch.response_lengths[k]) for k, i in enumerate(batch.ids)]
 
 
 def check_routing(actor: MegatronActor, batch: TrainBatch) -> None:
@@ -102,13 +95,14 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     needs_ref = algo.kl_loss_coef > 0 or algo.kl_coef > 0
     if needs_ref:
         with actor.weights.swapped_in("ref"):
-            _attach(batch, REF_LOGP, response_logprobs(actor, batch)["logprobs"])
+            batch.per_token.ref_logp = _per_token(batch, response_logprobs(actor, batch)["logprobs"])
     if actor.routing is not None:  # count disagreement in the first forward under these weights
         actor.routing.measure_next = True
     if algo.use_rollout_logprobs:
-        batch.per_token[OLD_LOGP] = [list(v) for v in batch.per_token[ROLLOUT_LOGP]]
+        assert batch.per_token.rollout_logp is not None, "the driver sends the rollout logprobs"
+        batch.per_token.old_logp = [list(v) for v in batch.per_token.rollout_logp]
     elif not fused_old_logprobs(actor.config):
-        _attach(batch, OLD_LOGP, response_logprobs(actor, batch)["logprobs"])
+        batch.per_token.old_logp = _per_token(batch, response_logprobs(actor, batch)["logprobs"])
         metrics.update(routing_disagreement(actor))
     if actor.routing is not None and algo.routing_replay_counterfactual:
         metrics.update(counterfactual_mismatch(actor, batch))
@@ -116,7 +110,7 @@ def prepare(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     traits = estimators.traits(algo.advantage_estimator)
     if traits.token_level and not traits.critic:
         _token_level_advantages(actor, batch)  # with a critic: GAE on its values (`ppo.py`)
-    if last_pipeline_stage() and OLD_LOGP in batch.per_token:
+    if last_pipeline_stage() and batch.per_token.old_logp is not None:
         metrics.update(_mismatch(actor, batch))
     return metrics
 
@@ -143,11 +137,11 @@ def counterfactual_mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str
         free = response_logprobs(actor, batch)["logprobs"]
     finally:
         actor.routing.enabled = True
-    if not last_pipeline_stage() or ROLLOUT_LOGP not in batch.per_token:
+    if not last_pipeline_stage() or batch.per_token.rollout_logp is None:
         return {}
     scored = batch.select(list(range(len(batch))))
-    _attach(scored, OLD_LOGP, free)
-    scored.per_token[ROLLOUT_LOGP] = batch.per_token[ROLLOUT_LOGP]
+    scored.per_token.old_logp = _per_token(scored, free)
+    scored.per_token.rollout_logp = batch.per_token.rollout_logp
     return {f"{k}_no_replay": v for k, v in _mismatch(actor, scored).items()}
 
 
@@ -173,10 +167,11 @@ def _padded(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mismatch(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     """train/train_rollout_logprob_abs_diff and train/train_rollout_kl over trained tokens."""
-    if ROLLOUT_LOGP not in batch.per_token:
+    old, rollout = batch.per_token.old_logp, batch.per_token.rollout_logp
+    if old is None or rollout is None:
         return {}
-    train_lp, _ = _padded(batch.per_token[OLD_LOGP])
-    rollout_lp, _ = _padded(batch.per_token[ROLLOUT_LOGP])
+    train_lp, _ = _padded(old)
+    rollout_lp, _ = _padded(rollout)
     mask, _ = _padded([[float(m) for m in lm] for lm in batch.loss_masks])
     sums = alg.logprob_mismatch_stats(train_lp, rollout_lp, mask)
     reduced = actor.runner.sum_over_dp({k: float(v) for k, v in sums.items()})
@@ -216,16 +211,18 @@ def _gather_over_dp(values: torch.Tensor) -> torch.Tensor:
 
 
 def terminal_token_rewards(actor: MegatronActor, batch: TrainBatch, mask: torch.Tensor) -> torch.Tensor:
-    """Per padded response token: the sample's score (`SCORES`: raw reward, group-centred for the
+    """Per padded response token: the sample's score (`PerToken.scores`: raw reward, group-centred for the
     REINFORCE++ baseline) on its last loss-masked token, minus the per-token KL penalty when
     `algorithm.kl_coef` > 0. The token-level estimators' rewards (REINFORCE++ and PPO alike)."""
     algo = actor.config.algorithm
     kl_penalty = None
     if algo.kl_coef > 0:
-        old, _ = _padded(batch.per_token[OLD_LOGP])
-        ref, _ = _padded(batch.per_token[REF_LOGP])
+        assert batch.per_token.old_logp is not None and batch.per_token.ref_logp is not None
+        old, _ = _padded(batch.per_token.old_logp)
+        ref, _ = _padded(batch.per_token.ref_logp)
         kl_penalty = algo.kl_coef * alg.kl_estimate(old, ref, algo.kl_estimator)
-    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token[SCORES]], dtype=torch.float64)
+    assert batch.per_token.scores is not None, "a token-level estimator's driver sends scores"
+    scores = torch.tensor([s[0] if s else 0.0 for s in batch.per_token.scores], dtype=torch.float64)
     return alg.terminal_rewards(scores, mask, kl_penalty)
 
 
@@ -249,7 +246,7 @@ def _token_level_advantages(actor: MegatronActor, batch: TrainBatch) -> None:
         torch.tensor(summed["n"], dtype=f64),
     )
     advantages = alg.whiten(returns, mask, mean, var)
-    batch.per_token[ADVANTAGES] = [
+    batch.per_token.advantages = [
         advantages[row, :n].tolist() for row, n in enumerate(batch.response_lengths)
     ]
 
@@ -277,7 +274,7 @@ def rl_loss(
     entropy: torch.Tensor | None,
     loss_mask: torch.Tensor,
     seq_index: torch.Tensor,
-    per_token: dict[str, torch.Tensor],
+    per_token: PerToken[torch.Tensor],
     *,
     global_tokens: float,
     global_seqs: float,
@@ -291,8 +288,8 @@ def rl_loss(
     mask = loss_mask
     report: dict[str, torch.Tensor] = {}
     is_weights = None
-    rollout_lp = per_token.get(ROLLOUT_LOGP)
-    old = per_token.get(OLD_LOGP)
+    rollout_lp = per_token.rollout_logp
+    old = per_token.old_logp
     if old is None:  # fused_old_logprobs: this forward runs the old policy
         old = logp.detach()
         if rollout_lp is not None:
@@ -323,7 +320,7 @@ def rl_loss(
     pg, stats = alg.policy_loss(
         logp,
         old,
-        per_token[ADVANTAGES],
+        per_token.advantages,
         mask,
         eps_clip=algo.eps_clip,
         eps_clip_high=algo.eps_clip_high,
@@ -341,7 +338,7 @@ def rl_loss(
     report["clipfrac_sum"] = (stats["clipfrac"] * tokens).detach()
     report["ppo_kl_sum"] = (stats["ppo_kl"] * tokens).detach()
     if algo.kl_loss_coef > 0:
-        kl = alg.kl_loss(logp, per_token[REF_LOGP], mask, algo.kl_estimator, global_tokens, **reduce)
+        kl = alg.kl_loss(logp, per_token.ref_logp, mask, algo.kl_estimator, global_tokens, **reduce)
         loss = loss + algo.kl_loss_coef * kl
         report["kl_loss"] = kl.detach()
     if entropy is not None:
@@ -365,8 +362,8 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor, megatron_scale: int):
         logp, entropy = policy_logprobs(actor, mb, output, need_entropy)
-        rollout_lp = mb.per_token_BS.get(ROLLOUT_LOGP)
-        if OLD_LOGP not in mb.per_token_BS and rollout_lp is not None:
+        rollout_lp = mb.per_token_BS.rollout_logp
+        if mb.per_token_BS.old_logp is None and rollout_lp is not None:
             diff = torch.where(mb.loss_mask_BS > 0, (logp.detach() - rollout_lp).abs(), float("nan"))
             fused_diffs.update(mb.per_sequence(diff))
         loss, report = rl_loss(

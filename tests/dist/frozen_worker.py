@@ -14,7 +14,7 @@ import torch
 
 from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 
@@ -26,7 +26,7 @@ def make_batch(vocab: int) -> TrainBatch:
         tokens=tokens,
         response_lengths=responses,
         loss_masks=[[1] * n for n in responses],
-        per_token={"advantages": [[1.0 if i % 2 else -1.0] * n for i, n in enumerate(responses)]},
+        per_token=PerToken(advantages=[[1.0 if i % 2 else -1.0] * n for i, n in enumerate(responses)]),
         global_num_tokens=sum(responses),
         global_num_seqs=len(tokens),
     )

@@ -27,7 +27,7 @@ from slimrl.devices.ledger import build_ledger
 from slimrl.devices.rank_groups import Sizes
 from slimrl.devices.rules import GpuRuleError, check_ledger
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 from slimrl.weight_sync import collectives
 from slimrl.weight_sync.transports import close_weight_sync_group
@@ -58,11 +58,11 @@ def train_step(actor: MegatronActor, sign: float) -> None:
         tokens=[seqs[i] for i in mine],
         response_lengths=[lengths[i] for i in mine],
         loss_masks=[[1] * lengths[i] for i in mine],
-        per_token={"advantages": [[sign if i % 2 else -sign] * lengths[i] for i in mine]},
+        per_token=PerToken(advantages=[[sign if i % 2 else -sign] * lengths[i] for i in mine]),
         global_num_tokens=sum(lengths),
         global_num_seqs=len(seqs),
     )
-    batch.per_token["rollout_log_probs"] = [[0.0] * n for n in batch.response_lengths]
+    batch.per_token.rollout_logp = [[0.0] * n for n in batch.response_lengths]
     actor.train_rl(batch)
 
 

@@ -24,7 +24,7 @@ import torch
 from slimrl.preflight import load_config
 from slimrl.trainer import ppo
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.checkpoint import load_train_state, save_train_state
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
@@ -52,7 +52,7 @@ def make_batch(vocab: int, dp: int, dp_rank: int) -> TrainBatch:
         tokens=[s["tokens"] for s in mine],
         response_lengths=[s["response"] for s in mine],
         loss_masks=[s["mask"] for s in mine],
-        per_token={"scores": [[s["reward"]] * s["response"] for s in mine]},  # the driver's score
+        per_token=PerToken(scores=[[s["reward"]] * s["response"] for s in mine]),  # the driver's score
         global_num_tokens=sum(sum(s["mask"]) for s in spec),
         global_num_seqs=NUM,
     )
@@ -120,7 +120,7 @@ def main() -> None:
         step()
         b = batch()
         actor.steps_done += 1
-        b.per_token[ppo.TOKEN_REWARDS] = ppo.token_rewards(actor, b)
+        b.per_token.token_rewards = ppo.token_rewards(actor, b)
         ppo.separate_value_pass(actor, b)
         metrics, _ = actor.critic.train_step(actor, b, fused=False)
         result["metrics"].append(metrics)

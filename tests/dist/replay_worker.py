@@ -22,7 +22,7 @@ from slimrl import estimators
 from slimrl.preflight import load_config
 from slimrl.trainer import rl
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 
@@ -35,10 +35,10 @@ def rank_batch(data: dict, routing: str, dp: int, dp_rank: int, key: str = "adva
         tokens=[data["tokens"][i] for i in mine],
         response_lengths=[responses[i] for i in mine],
         loss_masks=[[1] * responses[i] for i in mine],
-        per_token={
-            key: [[1.0 if i % 2 == 0 else -1.0] * responses[i] for i in mine],
-            "rollout_log_probs": [data["rollout_log_probs"][i] for i in mine],
-        },
+        per_token=PerToken(
+            rollout_logp=[data["rollout_log_probs"][i] for i in mine],
+            **{key: [[1.0 if i % 2 == 0 else -1.0] * responses[i] for i in mine]},
+        ),
         global_num_tokens=sum(responses),
         global_num_seqs=count,
         routed_experts=[np.asarray(data[routing][i]) for i in mine],

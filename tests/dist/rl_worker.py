@@ -20,7 +20,7 @@ import torch
 from slimrl import estimators
 from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 
@@ -35,7 +35,7 @@ def make_batch(vocab: int, dp: int, dp_rank: int, key: str = "advantages") -> Tr
         tokens=[sequences[i] for i in mine],
         response_lengths=[responses[i] for i in mine],
         loss_masks=[[1] * responses[i] for i in mine],
-        per_token={key: [[advantages[i]] * responses[i] for i in mine]},
+        per_token=PerToken(**{key: [[advantages[i]] * responses[i] for i in mine]}),
         global_num_tokens=sum(responses),
         global_num_seqs=8,
     )
@@ -47,6 +47,7 @@ def nonfinite(actor: MegatronActor, batch: TrainBatch, result: dict) -> None:
     from slimrl.utils import faults
 
     os.environ[faults.NONFINITE_GRAD] = "2,4,5"
+
     def weights() -> list[torch.Tensor]:
         return [p.detach().clone() for chunk in actor.state.model for p in chunk.parameters()]
 
@@ -79,7 +80,7 @@ def main() -> None:
     key = "scores" if estimators.traits(config.algorithm.advantage_estimator).token_level else "advantages"
     batch = make_batch(actor.arch.vocab_size, actor.layout.dp, coords["dp"], key)
     rollout_lp = actor.response_logprobs(batch)  # as an exactly on-policy engine would report them
-    batch.per_token["rollout_log_probs"] = [
+    batch.per_token.rollout_logp = [
         rollout_lp.get(i, [0.0] * n) for i, n in enumerate(batch.response_lengths)
     ]
     result = {"coords": coords, "rollout_logprobs": {str(k): v for k, v in rollout_lp.items()}}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from slimrl.preflight import load_config
 from slimrl.trainer.actor import MegatronActor
-from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.batch import PerToken, TrainBatch
 from slimrl.trainer.distributed import RankInfo, destroy_distributed
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -62,11 +62,11 @@ def main() -> None:
         tokens=[seqs[i] for i in mine],
         response_lengths=[lengths[i] for i in mine],
         loss_masks=[[1] * lengths[i] for i in mine],
-        per_token={"advantages": [[1.0 if i % 2 else -1.0] * lengths[i] for i in mine]},
+        per_token=PerToken(advantages=[[1.0 if i % 2 else -1.0] * lengths[i] for i in mine]),
         global_num_tokens=sum(lengths),
         global_num_seqs=len(seqs),
     )
-    batch.per_token["rollout_log_probs"] = [[0.0] * n for n in batch.response_lengths]
+    batch.per_token.rollout_logp = [[0.0] * n for n in batch.response_lengths]
     actor.train_rl(batch)
     temperature = config.rollout.sampling.temperature or 1.0
     before = sample_all(urls, temperature) if info.rank == 0 else None

@@ -112,6 +112,8 @@ class RLRun:
         self.fingerprints: list[tuple[float, float]] | None = None
         """Each trainer rank's weights fingerprint at the last push."""
         self.weights_moved = False
+        self.update_retries = 0
+        """Updates pushed a second time because their check failed, the start push included."""
         self.transport = config.rollout.weight_sync  # finalized: the transport itself, never auto
         self.ckpt_root = checkpoint_root(config, run_dir)
 
@@ -161,7 +163,9 @@ class RLRun:
             "weight update %d failed its check (%s); pushed it once more: %s", version, first, named
         )
         try:
-            return {**self.check.verify(urls, version, moved, expected), "verify/retries": 1.0}
+            checked = self.check.verify(urls, version, moved, expected)
+            self.update_retries += 1
+            return checked
         except UpdateMismatch as exc:
             raise UpdateMismatch(
                 f"weight update {version} failed its check twice (rollout.verify_updates): {exc}; "
@@ -288,6 +292,7 @@ class RLRun:
         metrics = {f"rollout/{k}": v for k, v in rollout.items()}
         metrics.update({k: v for k, v in train.items() if k.startswith("train/")})
         metrics["rollout/engine_restarts"] = float(self.fleet.restarts)
+        metrics["verify/retries"] = float(self.update_retries)  # cumulative, as the restarts
         elapsed = time.perf_counter() - start
         # Generation = the rollout as the manager timed it (requests out, scored samples back);
         # training = the trainer ranks' own time. Everything else is orchestration overhead.

@@ -162,6 +162,41 @@ def test_rollout_batch_shape_bookkeeping_and_toy_rewards(fleet, base_config, tok
     assert metrics["generated_tokens"] == sum(s.response_length for g in groups for s in g)
 
 
+def by_index(result: RolloutResult) -> list[Sample]:
+    """Every sample of a rollout, by index (groups come back in the order they finished)."""
+    return sorted((s for group in result.groups for s in group), key=lambda s: s.index)
+
+
+def test_a_group_is_one_batched_request_that_samples_what_single_requests_sample(
+    fleet, base_config, tokenizer
+) -> None:
+    """`rollout.group_requests` (the default): each group's samples go to one engine as one batched
+    `/generate`, and come back exactly as one request per sample (through the router) gives them:
+    the same tokens, logprobs, rewards and rids, sample by sample (each sample keeps its seed)."""
+    client = fleet.client
+    assert client is not None
+    results, requests_sent = {}, {}
+    for grouped in (True, False):
+        config = configure(base_config, rollout={"sampling.temperature": 1.0, "group_requests": grouped})
+        via_router, direct = client.requests_via_router, client.requests_direct
+        results[grouped] = rollout(fleet, config, tokenizer, DataSource(config))
+        requests_sent[grouped] = (client.requests_via_router - via_router, client.requests_direct - direct)
+    assert requests_sent == {True: (0, 4), False: (16, 0)}  # 4 groups of 4; batches skip the router
+    batched, single = (by_index(results[grouped]) for grouped in (True, False))
+    assert [s.index for s in batched] == [s.index for s in single] and len(batched) == 16
+
+    def seen(sample: Sample) -> tuple:
+        return sample.tokens, sample.status, sample.reward, sample.loss_mask
+
+    assert [seen(s) for s in batched] == [seen(s) for s in single]
+    # The engine batches whatever is queued: float32 sums over other batch shapes (measured <= 5e-7)
+    for a, b in zip(batched, single, strict=True):
+        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-6)
+    assert len({s.metadata["rid"] for s in batched}) == 16
+    for sample in batched:
+        check_sample(sample, tokenizer, 8)
+
+
 def test_dynamic_sampling_keeps_only_groups_with_reward_variance(fleet, base_config, tokenizer) -> None:
     # The untrained model answers at random: at a high temperature some samples of a group get the
     # (math-graded: final number) answer right and others not, and many groups are all wrong.

@@ -170,7 +170,15 @@ class RolloutConfig:
     over_sampling_batch_size: int | None = None
     """Prompts drawn per refill with dynamic sampling (null: rollout_batch_size)."""
     max_concurrency: int = 64
-    """In-flight generate requests across the fleet."""
+    """In-flight generate requests across the fleet (a batched group counts each of its samples)."""
+    group_requests: bool = True
+    """The built-in generate sends a group's fresh samples as one batched `/generate` (SGLang's list
+    form: the prompt, rid and sampling seed of each sample) to one engine, instead of one request
+    per sample: a third of the engine's and the client's CPU per sample on the embedded engine,
+    ~40% on real SGLang (bench/bench_group_requests.py). sglang-router refuses per-item sampling
+    parameters, so these batches are routed by the client (least samples in flight). Custom
+    generate functions, agents and continued partial samples send one request per sample.
+    false: one request per sample, through the router."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters for training rollouts."""
     partial_rollout: bool = False

@@ -200,15 +200,54 @@ class FleetClient:
         finally:
             self.rids.pop(rid, None)
 
-    async def _generate(self, body: dict[str, Any], use_router: bool) -> dict[str, Any]:
+    async def generate_batch(
+        self,
+        *,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        rids: list[str],
+        return_logprob: bool = False,
+        **extra: Any,
+    ) -> list[dict[str, Any]]:
+        """POST one batched /generate (SGLang's list form: one prompt, sampling parameters and rid
+        per item; `extra` fields apply to every item) to one engine; returns one response per item,
+        in order. Routed by the client: sglang-router refuses per-item sampling parameters. A
+        timeout aborts every item; a dead engine's batch is retried whole on another."""
+        if not (len(input_ids) == len(sampling_params) == len(rids) > 0):
+            raise ValueError("generate_batch: one prompt, sampling parameters and rid per item")
+        body: dict[str, Any] = {
+            "input_ids": [list(ids) for ids in input_ids],
+            "sampling_params": [dict(p) for p in sampling_params],
+            "return_logprob": return_logprob,
+            "rid": list(rids),
+            **extra,
+        }
+        self.rids.update(dict.fromkeys(rids))
+        try:
+            result = await asyncio.wait_for(self._generate(body, False), timeout=self.request_timeout_s)
+        except TimeoutError:
+            await self._abort_rids(list(rids))
+            raise RequestTimedOut(
+                f"batch {rids[0]} (+{len(rids) - 1}) exceeded "
+                f"rollout.request_timeout_s={self.request_timeout_s:g}"
+            ) from None
+        finally:
+            for rid in rids:
+                self.rids.pop(rid, None)
+        if not (isinstance(result, list) and len(result) == len(rids)):
+            raise SlimError(f"/generate answered a batch of {len(rids)} with {str(result)[:200]}")
+        return result
+
+    async def _generate(self, body: dict[str, Any], use_router: bool) -> Any:
         tried: set[str] = set()
         last_error = ""
+        rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
         for attempt in range(self.max_attempts):
             # The router knows nothing of engines we saw die: while one is down, route ourselves.
             via_router = use_router and attempt == 0 and not self.down and not self.router_down
             url = self.router_url if via_router else self._pick_engine(tried)
             assert url is not None
-            self.rids[body["rid"]] = None if via_router else url
+            self.rids.update(dict.fromkeys(rids, None if via_router else url))
             result, last_error = await self._post_generate(url, body)
             if via_router and result is None and last_error.startswith(_UNREACHABLE):
                 logger.error("router %s unreachable (%s); routing client-side from now on", url, last_error)
@@ -227,9 +266,10 @@ class FleetClient:
             await asyncio.sleep(0.1 * (attempt + 1))
         raise NoEngineAvailable(f"/generate failed {self.max_attempts} times; last error: {last_error}")
 
-    async def _post_generate(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    async def _post_generate(self, url: str, body: dict[str, Any]) -> tuple[Any, str]:
         """(response, "") on success, (None, reason) on a retryable failure; raises on a 4xx."""
-        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        items = len(body["rid"]) if isinstance(body["rid"], list) else 1  # a batch weighs its items
+        self.in_flight[url] = self.in_flight.get(url, 0) + items
         try:
             async with self._session().post(
                 f"{url}/generate", json=body, headers=self._headers("generate")
@@ -248,7 +288,7 @@ class FleetClient:
         except _RETRYABLE as exc:
             return None, f"{type(exc).__name__}: {exc}"
         finally:
-            self.in_flight[url] -= 1
+            self.in_flight[url] -= items
 
     # ------------------------------------------------------------------ control
     async def abort(self, prefix: str | None = None) -> None:

@@ -14,14 +14,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.errors import SlimError
 from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group
-from slimrl.rollout.generate import EVALUATING, RolloutContext, generate, sampling_params_for
+from slimrl.rollout.generate import EVALUATING, RolloutContext, apply_response, generate, sampling_params_for
 from slimrl.rollout.hooks import check_hooks, load_hook
 from slimrl.rollout.rewards import compute_rewards, scalar_reward
 from slimrl.rollout.sample_checks import AGENT_KEY, GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
@@ -72,7 +72,11 @@ class _GroupRunner:
         self.params = sampling_params_for(ctx.config, evaluation)
         self.evaluation = evaluation
         self.training_checks = training_checks(ctx, evaluation)
-        self.semaphore = asyncio.Semaphore(ctx.config.rollout.max_concurrency)
+        self.max_concurrency = ctx.config.rollout.max_concurrency
+        self.semaphore = asyncio.Semaphore(self.max_concurrency)
+        self.slot_lock = asyncio.Lock()
+        """Held while a batch takes its slots one by one: two batches never hold half each."""
+        self.batched = ctx.config.rollout.group_requests and self.generate is generate
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
         self.stopping = False
         self.timeouts = 0
@@ -88,7 +92,7 @@ class _GroupRunner:
             sample.metadata["rid"] = rid
             RID_PREFIX.set(f"{rid}-")  # this task only: a hook's own requests share the prefix
             EVALUATING.set(self.evaluation)  # this task only: eval samples ask for no routing
-            params = {**self.params, "sampling_seed": self.ctx.config.run.seed * 1_000_003 + sample.index}
+            params = self._params(sample)
             try:
                 result = await self.generate(self.ctx, sample, params)
             except RequestTimedOut:
@@ -109,14 +113,93 @@ class _GroupRunner:
                 f"non-empty list[Sample], got {type(result).__name__}"
             )
         for one in samples:
-            check_sample(one, self.hook, self.vocab_size, allow_pending=self.stopping, **self.training_checks)
-            check_sampled(one, self.hook)
+            self._check(one)
         self.failures += sum(one.status == Status.FAILED for one in samples)  # a hook's own (an agent's)
         return samples
 
+    def _params(self, sample: Sample) -> dict[str, Any]:
+        return {**self.params, "sampling_seed": self.ctx.config.run.seed * 1_000_003 + sample.index}
+
+    def _fresh(self, group: Group) -> list[Sample]:
+        """The samples of `group` the built-in generate may send as one batch: not started yet, of
+        one prompt (`rollout.group_requests`); none when fewer than two."""
+        if not self.batched:
+            return []
+        fresh = [s for s in group if s.status not in FINISHED and not s.tokens and not s.response_length]
+        fresh = [s for s in fresh if s.prompt == fresh[0].prompt]
+        return fresh if len(fresh) > 1 else []
+
+    @contextlib.asynccontextmanager
+    async def _slots(self, n: int) -> AsyncIterator[None]:
+        """`n` of the `max_concurrency` request slots (all of them at most), taken together."""
+        taken = 0
+        try:
+            async with self.slot_lock:
+                while taken < min(n, self.max_concurrency):
+                    await self.semaphore.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                self.semaphore.release()
+
+    async def _batch(self, samples: list[Sample]) -> list[Sample]:
+        """A group's fresh samples as one batched `/generate`: what `generate()` does per sample
+        (same rids, seeds and sampling parameters), in one request to one engine."""
+        async with self._slots(len(samples)):
+            if self.stopping:
+                return samples
+            EVALUATING.set(self.evaluation)
+            prompt_ids = self.ctx.prompt_ids(samples[0].prompt)
+            params = [self._params(s) for s in samples]
+            for sample in samples:
+                sample.tokens = list(prompt_ids)
+                sample.metadata["rid"] = f"{self.rid_prefix}{sample.index}-0"
+            if params[0]["max_new_tokens"] <= 0:
+                for sample in samples:
+                    sample.status = Status.TRUNCATED
+                return samples
+            try:
+                responses = await self.ctx.client.generate_batch(
+                    input_ids=[s.tokens for s in samples],
+                    sampling_params=params,
+                    rids=[s.metadata["rid"] for s in samples],
+                    return_logprob=True,
+                    **self.ctx.routing_request(samples[0]),  # one prompt: the same rows for all
+                )
+            except RequestTimedOut:
+                self.timeouts += len(samples)
+                return self._ended(samples, Status.ABORTED)
+            except FleetDown:
+                raise
+            except NoEngineAvailable as exc:
+                self.failures += len(samples)
+                logger.warning("samples %d-%d failed: %s", samples[0].index, samples[-1].index, exc)
+                return self._ended(samples, Status.FAILED)
+        for sample, response in zip(samples, responses, strict=True):
+            apply_response(sample, response, routing=self.ctx.routing)
+            self._check(sample)
+        return samples
+
+    def _check(self, sample: Sample) -> None:
+        check_sample(sample, self.hook, self.vocab_size, allow_pending=self.stopping, **self.training_checks)
+        check_sampled(sample, self.hook)
+
+    @staticmethod
+    def _ended(samples: list[Sample], status: Status) -> list[Sample]:
+        for sample in samples:
+            sample.status = status
+        return samples
+
     async def run_group(self, group: Group) -> Group:
-        results = await asyncio.gather(*(self._one(s) for s in group))
-        done = [s for part in results for s in part]
+        fresh = self._fresh(group)
+        if fresh:
+            batched = {id(s) for s in fresh}
+            await asyncio.gather(self._batch(fresh), *(self._one(s) for s in group if id(s) not in batched))
+            done = list(group)  # the built-in generate returns the sample it was given
+        else:
+            results = await asyncio.gather(*(self._one(s) for s in group))
+            done = [s for part in results for s in part]
         if _group_finished(done):
             await compute_rewards(self.ctx.config, done)
         return done

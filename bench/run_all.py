@@ -15,6 +15,7 @@ BENCHES = [
     "engine",
     "router",
     "router_start",
+    "group_requests",
     "packing",
     "trainer",
     "ppo_critic",

@@ -122,3 +122,60 @@ def test_chat_template(tok, tok_dir: Path) -> None:
     # transformers 5: tokenize=True returns a BatchEncoding unless return_dict=False.
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids == tok.encode(rendered)
+
+
+def test_load_tokenizer_is_what_autotokenizer_loads(tok_dir: Path, tok) -> None:
+    """`load_tokenizer` skips `AutoTokenizer` for the generic class; transformers' own
+    `AutoTokenizer` is the referee: same class, vocabulary, specials, settings and outputs."""
+    from slimrl.data.hf_tokenizer import load_tokenizer
+
+    mine = load_tokenizer(tok_dir)
+    assert type(mine) is type(tok)
+    assert mine.get_vocab() == tok.get_vocab() and mine.all_special_tokens == tok.all_special_tokens
+    assert mine.init_kwargs == tok.init_kwargs and mine.model_max_length == tok.model_max_length
+    assert (mine.eos_token_id, mine.pad_token_id, mine.bos_token) == (
+        tok.eos_token_id,
+        tok.pad_token_id,
+        None,
+    )
+    for text in (PRINTABLE, "12+34=", "<|im_start|>user\nhi<|im_end|>", "é ü"):
+        assert mine.encode(text) == tok.encode(text)
+        assert mine.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    messages = [{"role": "user", "content": "3+4="}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for kwargs in ({}, {"tools": tools}):
+        assert mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs) == (
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        )
+
+
+def test_load_tokenizer_of_the_generic_class_imports_no_torch(tok_dir: Path) -> None:
+    """The point of the shortcut: a process that only tokenizes (the rollout manager) does not
+    import torch (~6 CPU-s through `AutoTokenizer`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from slimrl.data.hf_tokenizer import load_tokenizer; "
+        f"t = load_tokenizer({str(tok_dir)!r}); print(type(t).__name__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["TokenizersBackend", "False"]
+
+
+def test_load_tokenizer_leaves_model_specific_classes_to_autotokenizer(tok_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from slimrl.data.hf_tokenizer import load_tokenizer
+
+    specific = tmp_path / "qwen2_named"
+    specific.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (specific / name).write_bytes((tok_dir / name).read_bytes())
+    config = json.loads((specific / "tokenizer_config.json").read_text())
+    (specific / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"})
+    )
+    mine, theirs = load_tokenizer(specific), AutoTokenizer.from_pretrained(specific)
+    assert type(mine) is type(theirs) and type(mine).__name__ == "Qwen2Tokenizer"
+    assert mine.encode("12+34=") == theirs.encode("12+34=")

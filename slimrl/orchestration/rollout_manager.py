@@ -63,13 +63,10 @@ class RolloutManager:
         register_stack_signal()  # stacks on demand when a wait of the run expires
         self.config = config
         self.front = FleetFront(config, Path(log_dir))  # first: the router starts while we load
-        from transformers import AutoTokenizer
-
+        from slimrl.data.hf_tokenizer import load_tokenizer
         from slimrl.rollout.data_source import DataSource
 
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
-        )
+        self.tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
         self.source = DataSource(config)
         self.evals = {
             name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()

@@ -91,8 +91,7 @@ async def healed_rollout(ctx: Any, source: Any, fleet: Any, evaluation: bool = F
 
 
 def run_rollout_only(config: SlimConfig, num_rollouts: int = 1) -> Path:
-    from transformers import AutoTokenizer
-
+    from slimrl.data.hf_tokenizer import load_tokenizer
     from slimrl.rollout.fleet import Fleet
     from slimrl.rollout.generate import RolloutContext
 
@@ -105,9 +104,7 @@ def run_rollout_only(config: SlimConfig, num_rollouts: int = 1) -> Path:
     writer = MetricsWriter(run_dir, tensorboard=config.logging.tensorboard)
     try:
         client = fleet.start()
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
-        )
+        tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
         ctx = RolloutContext(config, tokenizer, client)
         asyncio.run(_rollouts(config, fleet, ctx, samples_path, writer, num_rollouts))
     finally:

@@ -40,12 +40,10 @@ def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: Epoc
 
 
 def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
-    from transformers import AutoTokenizer
+    from slimrl.data.hf_tokenizer import load_tokenizer
 
     assert config.data.prompt_data is not None  # check_run_inputs: before anything started
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
-    )
+    tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
     records = load_prompts(config.data.prompt_data, config.data.input_key, config.data.label_key)
     data = config.data
     records = drop_long_prompts(

@@ -25,11 +25,9 @@ class DataSource:
             path, data.input_key, data.label_key, data.metadata_key
         )
         if data.max_prompt_tokens is not None:
-            from transformers import AutoTokenizer
+            from slimrl.data.hf_tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                config.model.hf_checkpoint, trust_remote_code=config.model.trust_remote_code
-            )
+            tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
             self.records = drop_long_prompts(
                 self.records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, path
             )

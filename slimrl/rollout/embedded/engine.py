@@ -238,7 +238,9 @@ class EmbeddedEngine:
         trust_remote_code: bool = False,
         start: bool = True,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from slimrl.data.hf_tokenizer import load_tokenizer
 
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
@@ -247,7 +249,7 @@ class EmbeddedEngine:
         """Stays the launch path when weights come from elsewhere (SGLang keeps it too)."""
         with quiet_progress_bars():
             remote = trust_remote_code  # `model.trust_remote_code`, as `slimrl serve --trust-remote-code`
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=remote)
+            self.tokenizer = load_tokenizer(self.model_path, remote)
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=remote
             )

@@ -16,7 +16,7 @@ import operator
 import re
 from typing import Any
 
-from slimrl.data.sft import render_prompt
+from slimrl.data.prompts import render_prompt
 from slimrl.rollout.generate import RolloutContext, apply_response
 from slimrl.sample import Sample, Status
 

@@ -8,8 +8,19 @@ import os
 import sys
 from collections.abc import Callable
 
+from slimrl.conversion.cli import build_parser as convert_parser
+from slimrl.conversion.cli import main as convert_main
+from slimrl.data.toy_tasks import TASKS, make_data
 from slimrl.errors import ConfigError, SlimError
+from slimrl.planning import step_time_report as report
+from slimrl.planning.engine_plan import check_config_engines, plan_engine
+from slimrl.planning.gpus import GPUS, gpu_spec
+from slimrl.planning.memory_plan import check_fits, plan
+from slimrl.planning.step_time import check_workload
 from slimrl.utils.cli_args import OneLineParser, non_negative_int, port, positive_float, positive_int
+from slimrl.utils.gc_tuning import freeze_startup_heap
+from slimrl.utils.hang import register_stack_signal
+from slimrl.utils.plot import plot_metric
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -46,8 +57,6 @@ def _plan(args: argparse.Namespace) -> None:
         return
     if args.json:
         raise ConfigError("--json: prints the step-time plan; use it with --time, --compare or --search")
-    from slimrl.planning.engine_plan import check_config_engines, plan_engine
-    from slimrl.planning.memory_plan import check_fits, plan
     from slimrl.preflight import load_config
 
     config = load_config(args.config, args.overrides)
@@ -62,9 +71,6 @@ def _plan(args: argparse.Namespace) -> None:
 
 def _plan_time(args: argparse.Namespace) -> None:
     """`slimrl plan CONFIG --time`: docs/step_time.md."""
-    from slimrl.planning import step_time_report as report
-    from slimrl.planning.gpus import gpu_spec
-    from slimrl.planning.step_time import check_workload
     from slimrl.preflight import load_config
 
     prompt, response = check_workload(args.prompt_tokens, args.response_tokens)
@@ -100,8 +106,6 @@ def _plan_time(args: argparse.Namespace) -> None:
 def _plot(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from slimrl.utils.plot import plot_metric
-
     out = Path(args.out) if args.out else Path(args.run_dir) / (args.key.replace("/", "_") + ".png")
     print(f"wrote {plot_metric(Path(args.run_dir), out, args.key, args.window)}")
 
@@ -120,7 +124,6 @@ def _make_tiny(args: argparse.Namespace) -> None:
 
 
 def _make_data(args: argparse.Namespace) -> None:
-    from slimrl.data.toy_tasks import make_data
 
     out = make_data(args.task, args.out, num_samples=args.num, seed=args.seed)
     print(f"wrote {args.num} {args.task} samples to {out}")
@@ -148,7 +151,6 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
     def ready(url: str) -> None:
-        from slimrl.utils.gc_tuning import freeze_startup_heap
 
         freeze_startup_heap()  # the loaded model and libraries: out of every later collection
         print(f"slimrl serve: ready at {url} (model {args.model})", flush=True)
@@ -165,9 +167,6 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slimrl.conversion.cli import build_parser as convert_parser
-    from slimrl.data.toy_tasks import TASKS
-    from slimrl.planning.gpus import GPUS
 
     parser = OneLineParser(prog="slimrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -314,12 +313,9 @@ def _one_line(exc: SlimError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from slimrl.utils.hang import register_stack_signal
 
     register_stack_signal()  # the driver, a server: stacks on demand when a wait expires
     if argv[:1] == ["convert"]:  # the converter relaunches itself under torchrun
-        from slimrl.conversion.cli import main as convert_main
-
         return convert_main(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

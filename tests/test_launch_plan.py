@@ -22,7 +22,7 @@ from slimrl.errors import ConfigError, SlimError
 from slimrl.orchestration.dry_run import engine_launches, render
 from slimrl.orchestration.placement import node_labels
 from slimrl.preflight import load_config
-from slimrl.preflight.checks import weight_transport
+from slimrl.preflight.finalize import weight_transport
 from tests.conftest import REPO, run_slimrl
 
 GPU_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if "configs/models/" in p.read_text())

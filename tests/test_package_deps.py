@@ -11,6 +11,7 @@ edge that no longer exists fails too, so the list only shrinks."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,94 @@ def test_every_known_back_edge_is_still_there_and_runs_up() -> None:
 @pytest.mark.parametrize("room", sorted(FLOORS[1]))
 def test_the_ground_floor_imports_only_errors(room: str) -> None:
     assert {b for (a, b) in edges() if a == room} <= {"errors"}
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_of(p): p for p in (REPO / "slimrl").rglob("*.py")}
+
+
+def _resolve(dotted: str) -> str | None:
+    """The slimrl module a dotted import name loads (`slimrl.a.b.name` -> `slimrl.a.b`)."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
+
+
+def _top_level_imports(module: str) -> set[str]:
+    """Names the module imports when it loads (not inside functions; `TYPE_CHECKING` excluded)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+
+    visit(ast.parse(MODULES[module].read_text()).body)
+    return names
+
+
+def _loads(module: str) -> tuple[set[str], set[str]]:
+    """Every slimrl module and every third-party package that loading `module` loads."""
+    own: set[str] = set()
+    third_party: set[str] = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if current in own:
+            continue
+        own.add(current)
+        parts = current.split(".")
+        stack.extend(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES)
+        for name in _top_level_imports(current):
+            root = name.split(".")[0]
+            if root == "slimrl":
+                target = _resolve(name)
+                if target is not None:
+                    stack.append(target)
+            elif root not in sys.stdlib_module_names:
+                third_party.add(root)
+    return own, third_party
+
+
+def test_imports_inside_functions_only_defer_a_package() -> None:
+    """A slimrl import inside a function is there for one reason, checked here: what it loads brings
+    a third-party package the importing module does not load (start-up time: torch, Megatron, Ray,
+    SGLang, transformers ... stay out of processes and commands that never use them). Any other
+    belongs at the top of the module, and one that would close an import loop (the module it loads
+    loads the importer) is a loop to remove, not to hide."""
+    plain = []
+    for module, path in MODULES.items():
+        own_third_party = _loads(module)[1]
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("slimrl."):
+                    targets = {_resolve(f"{node.module}.{alias.name}") for alias in node.names}
+                elif isinstance(node, ast.Import):
+                    targets = {_resolve(a.name) for a in node.names if a.name.startswith("slimrl.")}
+                else:
+                    continue
+                for target in targets - {None, module}:
+                    loaded, third_party = _loads(target)  # type: ignore[arg-type]
+                    where = f"{path.relative_to(REPO)}:{node.lineno} imports {target}"
+                    if module in loaded:
+                        plain.append(f"{where}, which loads {module}: an import loop")
+                    elif not third_party - own_third_party:
+                        plain.append(f"{where}, which loads no package {module} does not")
+    assert not plain, "\n".join(sorted(set(plain)))

@@ -121,7 +121,7 @@ def test_weight_transport_matches_the_config_gate() -> None:
     """`step_time_spec.transport_of` repeats `preflight/checks.py::weight_transport` one floor down."""
     from slimrl.planning.step_time_spec import transport_of
     from slimrl.preflight import load_config
-    from slimrl.preflight.checks import weight_transport
+    from slimrl.preflight.finalize import weight_transport
 
     for overrides in (
         [],

@@ -21,7 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slimrl.errors import ConfigError, SlimError
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.megatron_bridge.checkpoint_meta import check_same_architecture, read_model_meta
+from slimrl.megatron_bridge.layout_args import LayoutArgs
+from slimrl.megatron_bridge.safetensors_index import BridgeError, read_index
+from slimrl.model_arch import read_hf_config
 from slimrl.utils.cli_args import OneLineParser, positive_float, positive_int
+from slimrl.utils.net import free_port
 
 _ERROR_FILE = "SLIMRL_ERROR_FILE"
 MAX_AUTO_WORKERS = 8
@@ -55,7 +61,6 @@ def resolve_workers(args: argparse.Namespace, inside: bool) -> int:
     """`--workers auto` as a number, the same on every rank. Joining a launched job, the job's size
     decides; starting plainly, one worker per free core for the layout's ranks, at most one per
     layer of each pipeline stage and `MAX_AUTO_WORKERS` (each pays ~0.5 GB of libraries)."""
-    from slimrl.megatron_bridge.layout_args import LayoutArgs
 
     if args.workers != "auto":
         return args.workers
@@ -85,7 +90,6 @@ def flag_names(message: str) -> str:
 
 
 def _layout(args: argparse.Namespace):
-    from slimrl.megatron_bridge.layout_args import LayoutArgs
 
     return LayoutArgs(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, workers=args.workers)
 
@@ -134,10 +138,6 @@ def check_inputs(args: argparse.Namespace) -> None:
     an existing `--out`, an unsupported or incomplete config, a missing or truncated shard, a
     torch_dist checkpoint that is not ours, incomplete, or of another architecture. The ranks
     check again; what needs the tensors (shapes against the config) is theirs alone."""
-    from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.megatron_bridge.checkpoint_meta import check_same_architecture, read_model_meta
-    from slimrl.megatron_bridge.safetensors_index import BridgeError, read_index
-    from slimrl.model_arch import read_hf_config
 
     if Path(args.out).exists() and not args.force:
         raise BridgeError(f"{args.out}: output exists; pass --force to replace it")
@@ -167,7 +167,6 @@ def _run_rank(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """One process per rank on this host, with the environment torchrun would give them (torchrun
     itself costs ~2.5 s of start-up per conversion). The first rank to fail stops the others."""
-    from slimrl.utils.net import free_port
 
     world = _layout(args).world_size
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +249,6 @@ def _one_rank_env() -> Iterator[None]:
     """A plain single-process conversion is a world of one; the variables are taken away again after,
     so a caller in the same process (a test, a notebook) does not look like a launched rank to the
     next conversion it starts."""
-    from slimrl.utils.net import free_port
 
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}

@@ -20,18 +20,36 @@ import torch
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import arch_from_hf_config
 from slimrl.megatron_bridge.checkpoint_meta import check_same_architecture, read_model_meta
-from slimrl.megatron_bridge.hf_io import HFCheckpointReader
+from slimrl.megatron_bridge.dist_ckpt import (
+    LayerwiseCheckpointReader,
+    publish,
+    save_model,
+    save_model_streaming,
+    shared_tmp_dir,
+)
+from slimrl.megatron_bridge.export import Ownership, iter_hf_tensors
+from slimrl.megatron_bridge.hf_io import HFCheckpointReader, ShardWriter, finalize_index
 from slimrl.megatron_bridge.layout_args import LayoutArgs
+from slimrl.megatron_bridge.loading import (
+    ShardContext,
+    check_everything_consumed,
+    hf_shard_blocks,
+    load_hf_into_megatron,
+    rules_for,
+)
+from slimrl.megatron_bridge.megatron_config import BuildOptions
 from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.model_arch import ModelArch, read_hf_config
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.trainer.distributed import RankInfo, init_distributed, use_cuda
+from slimrl.trainer.forward import forward_logits
+from slimrl.trainer.model import build_gpt_chunks
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _init(arch: ModelArch, layout_args: LayoutArgs):
-    from slimrl.parallel_layout import ParallelLayout
-    from slimrl.trainer.distributed import RankInfo, init_distributed
 
     layout = ParallelLayout.resolve(
         layout_args.parallel_config(arch.num_layers), layout_args.world_size, arch
@@ -43,10 +61,6 @@ def _init(arch: ModelArch, layout_args: LayoutArgs):
 def _build(arch: ModelArch, layout, dtype: torch.dtype, meta: bool = False) -> list[Any]:
     """The layout's model chunks; on the meta device when tensors will be streamed instead."""
     import contextlib
-
-    from slimrl.megatron_bridge.megatron_config import BuildOptions
-    from slimrl.trainer.distributed import use_cuda
-    from slimrl.trainer.model import build_gpt_chunks
 
     options = BuildOptions(use_te=use_cuda(), params_dtype=dtype, init_weights=False)
     with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
@@ -131,8 +145,6 @@ def verify_against_hf(
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from slimrl.trainer.forward import forward_logits
-
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, arch.vocab_size, (2, num_tokens), generator=generator)
     logits = forward_logits(chunks, tokens)
@@ -172,7 +184,6 @@ def hf_to_megatron(
     force: bool = False,
 ) -> VerifyResult | None:  # fmt: skip
     """All ranks: read the HF checkpoint into the layout's shards, save as torch_dist."""
-    from slimrl.megatron_bridge.dist_ckpt import publish, shared_tmp_dir
 
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out, force)
@@ -206,14 +217,6 @@ def _write_torch_dist(
     hf_dir: Path, tmp: Path, cfg: dict[str, Any], arch: ModelArch, layout, reader: HFCheckpointReader,
     dtype: torch.dtype, verify: bool, tolerance: float | None,
 ) -> VerifyResult | None:  # fmt: skip
-    from slimrl.megatron_bridge.dist_ckpt import save_model, save_model_streaming
-    from slimrl.megatron_bridge.loading import (
-        ShardContext,
-        check_everything_consumed,
-        hf_shard_blocks,
-        load_hf_into_megatron,
-        rules_for,
-    )
 
     total = sum(reader.nbytes(n) for n in reader.names)
     if verify:  # the forward pass needs the real model
@@ -262,14 +265,6 @@ def megatron_to_hf(
 ) -> None:  # fmt: skip
     """All ranks: load torch_dist into the layout's shards, stream HF tensors into shard files."""
     import torch.distributed as dist
-
-    from slimrl.megatron_bridge.dist_ckpt import (
-        LayerwiseCheckpointReader,
-        publish,
-        shared_tmp_dir,
-    )
-    from slimrl.megatron_bridge.export import Ownership, iter_hf_tensors
-    from slimrl.megatron_bridge.hf_io import ShardWriter, finalize_index
 
     ckpt, out, hf_config_dir = Path(ckpt), Path(out), Path(hf_config_dir)
     _refuse_existing(out, force)

@@ -129,6 +129,18 @@ def load_prompts(
     return records
 
 
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], apply_chat_template: bool) -> list[int]:
+    if apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+    if not isinstance(prompt, str):
+        raise TypeError("chat-message prompts need data.apply_chat_template=true")
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 def drop_long_prompts(
     records: list[PromptRecord], tokenizer: Any, max_tokens: int | None, chat_template: bool, source: str = ""
 ) -> list[PromptRecord]:
@@ -136,8 +148,6 @@ def drop_long_prompts(
     None keeps all); logs how many were dropped, and refuses a data set left empty."""
     if max_tokens is None:
         return records
-    from slimrl.data.sft import render_prompt
-
     kept = [r for r in records if len(render_prompt(tokenizer, r.prompt, chat_template)) <= max_tokens]
     dropped = len(records) - len(kept)
     where = f" of {source}" if source else ""

@@ -4,20 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimrl.data.prompts import PromptRecord
+from slimrl.data.prompts import PromptRecord, render_prompt
 from slimrl.sample import Sample, Status
-
-
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], apply_chat_template: bool) -> list[int]:
-    if apply_chat_template:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
-    if not isinstance(prompt, str):
-        raise TypeError("chat-message prompts need data.apply_chat_template=true")
-    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def sft_sample(tokenizer: Any, record: PromptRecord, apply_chat_template: bool, index: int = 0) -> Sample:

@@ -15,6 +15,7 @@ from typing import Any
 
 from slimrl.data.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_char_tokenizer
 from slimrl.errors import ConfigError
+from slimrl.megatron_bridge.archs import ARCH_SPECS
 from slimrl.utils.fs import atomic_directory, atomic_write_text
 from slimrl.utils.hf import quiet_progress_bars
 
@@ -165,7 +166,6 @@ def build_config(arch: str, overrides: dict[str, Any] | None = None) -> Any:
 
 
 def _architecture_name(arch: str) -> str:
-    from slimrl.megatron_bridge.archs import ARCH_SPECS
 
     return ARCH_SPECS[arch].hf_architecture
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from slimrl.megatron_bridge.archs import ARCH_SPECS
 from slimrl.model_arch import ModelArch
 from slimrl.utils.tensors import NamedTensors
 
@@ -25,7 +26,6 @@ of a set's members, form a group (e.g. `("q_a_proj", "kv_a_proj_with_mqa")` pair
 
 
 def load_together(arch: ModelArch) -> Together:
-    from slimrl.megatron_bridge.archs import ARCH_SPECS
 
     return ARCH_SPECS[arch.model_type].load_together_for(arch)
 

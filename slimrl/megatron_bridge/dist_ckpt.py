@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.megatron_bridge.checkpoint_meta import MODEL_META
-from slimrl.megatron_bridge.naming import LocalTensor, local_layer
+from slimrl.megatron_bridge.naming import LocalTensor, local_layer, local_tensors
 from slimrl.megatron_bridge.safetensors_index import BridgeError
+from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader, ChunkFileWriter, write_index
 from slimrl.parallel_layout import ParallelLayout
+from slimrl.utils.fs import replace_directory, temp_sibling
 
 FILE_BYTES = 64 * 1024**2
 LOAD_BYTES = 128 * 1024**2
@@ -42,8 +44,6 @@ def shared_tmp_dir(final: Path) -> Path:
     earlier run left for the same `final` is removed first, see `utils.fs.clear_dead_writers`)."""
     import torch.distributed as dist
 
-    from slimrl.utils.fs import temp_sibling
-
     name = [None]
     if dist.get_rank() == 0:
         name = [str(temp_sibling(final))]
@@ -54,8 +54,6 @@ def shared_tmp_dir(final: Path) -> Path:
 def publish(tmp: Path, final: Path, overwrite: bool) -> None:
     """Rank 0 renames the finished temporary directory into place (after a barrier)."""
     import torch.distributed as dist
-
-    from slimrl.utils.fs import replace_directory
 
     dist.barrier()
     if dist.get_rank() == 0:
@@ -250,9 +248,6 @@ def save_model_streaming(
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
-    from slimrl.megatron_bridge.naming import local_tensors
-    from slimrl.megatron_bridge.torch_dist_files import ChunkFileWriter, write_index
-
     owners = {
         _storage_key(lt.tensor): lt for chunk in meta_chunks for lt in local_tensors(chunk, expert_offset)
     }
@@ -365,8 +360,6 @@ class LayerwiseCheckpointReader:
 
         import torch
         from megatron.core.dist_checkpointing.mapping import apply_factories
-
-        from slimrl.megatron_bridge.torch_dist_files import ChunkFileReader
 
         if self._files is None:
             self._files = ChunkFileReader(self.ckpt_dir)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from slimrl.megatron_bridge.bucketing import bucketed, load_together
+from slimrl.megatron_bridge.fp8 import quantize_named_tensors
 from slimrl.megatron_bridge.loading import ShardContext, rules_for
 from slimrl.megatron_bridge.naming import LocalTensor, is_expert_name, local_layer, local_tensors
 from slimrl.megatron_bridge.safetensors_index import BridgeError
@@ -174,8 +175,6 @@ def export_hf_buckets(
     if dtype is not None:
         stream = ((name, t.to(dtype)) for name, t in stream)
     if fp8:
-        from slimrl.megatron_bridge.fp8 import quantize_named_tensors
-
         stream = quantize_named_tensors(stream)
     # One bucket is one `load_weights` call: tensors SGLang fuses must share one (bucketing.py).
     yield from bucketed(stream, bucket_bytes, together=load_together(arch))

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from slimrl.compat.megatron_cpu import mla_core_attention
 from slimrl.megatron_bridge.safetensors_index import BridgeError
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
@@ -189,8 +190,6 @@ def layer_spec(config: Any, options: BuildOptions, vp_stage: int | None = None) 
         config, use_transformer_engine=options.use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
     if getattr(config, "multi_latent_attention", False) and not options.use_te:
-        from slimrl.compat.megatron_cpu import mla_core_attention
-
         core = mla_core_attention()
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = core

@@ -23,7 +23,11 @@ from slimrl.devices.launch_plan import (
 )
 from slimrl.devices.ledger import Ledger, build_ledger
 from slimrl.devices.rank_groups import Sizes
-from slimrl.preflight.checks import weight_transport
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.orchestration.fp8_start import serving_path
+from slimrl.orchestration.placement import trainer_env, worker_env
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.preflight.finalize import weight_transport
 
 PLAN_PORT = 30000
 """Engine i is shown on port PLAN_PORT + i; a real run picks free ports when engines start."""
@@ -40,8 +44,6 @@ class EngineLaunch:
 
 def engine_launches(config: SlimConfig, device: str) -> list[EngineLaunch]:
     """Every engine's launch on the config's layout (hosts named `nodeN`, as the plan prints)."""
-    from slimrl.orchestration.fp8_start import serving_path
-    from slimrl.orchestration.placement import worker_env
     from slimrl.rollout.servers import server_command
 
     model_path = serving_path(config)  # what the engines load: the FP8 start copy for an FP8 fleet
@@ -57,7 +59,6 @@ def engine_launches(config: SlimConfig, device: str) -> list[EngineLaunch]:
 
 def trainer_launch_env(config: SlimConfig, device: str) -> dict[str, str]:
     """The extra environment every trainer rank starts with (job-wide `worker_env` + `trainer_env`)."""
-    from slimrl.orchestration.placement import trainer_env, worker_env
 
     return {**worker_env(device), **trainer_env(config, device)}
 
@@ -98,7 +99,6 @@ def start_checkpoint(config: SlimConfig) -> dict[str, str] | None:
     """The FP8 start checkpoint an FP8 fleet loads: where, from what, when and how it is written."""
     if config.rollout.sglang.quantization != "fp8":
         return None
-    from slimrl.orchestration.fp8_start import serving_path
 
     return {
         "path": serving_path(config),
@@ -158,8 +158,6 @@ def render(config: SlimConfig) -> str:
 
 def config_ledger(config: SlimConfig) -> Ledger:
     """The device ledger of the config's own layout (nodes `node0..`, stand-in GPU UUIDs)."""
-    from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.parallel_layout import ParallelLayout
 
     device = resolve_device(config)
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)

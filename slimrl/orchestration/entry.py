@@ -7,7 +7,9 @@ import secrets
 import signal
 from pathlib import Path
 
+from slimrl import checkpoint_dir
 from slimrl.config.schema import SlimConfig
+from slimrl.orchestration.placement import TRAIN_SHARE_COLOCATED, create_device_slots, run_ledger, start_ray
 from slimrl.preflight.checks import check_run_inputs
 from slimrl.preflight.finalize import finalize
 from slimrl.preflight.loader import save_config
@@ -47,13 +49,6 @@ def run_training(config: SlimConfig) -> Path:
     """Run the whole job and return its run directory."""
     import ray
 
-    from slimrl import checkpoint_dir
-    from slimrl.orchestration.placement import (
-        TRAIN_SHARE_COLOCATED,
-        create_device_slots,
-        run_ledger,
-        start_ray,
-    )
     from slimrl.orchestration.trainer_group import TrainerGroup
 
     setup_logging(config.logging.level)

@@ -14,7 +14,12 @@ from typing import Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.launch_plan import EngineSeat, Slot, order_slots
-from slimrl.devices.ledger import Ledger
+from slimrl.devices.ledger import Ledger, build_ledger
+from slimrl.devices.rank_groups import Sizes
+from slimrl.devices.rules import check_ledger
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.rollout.sglang.server_args import sglang_env
 from slimrl.utils.faults import FAULT_VARS
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,6 @@ def trainer_env(config: SlimConfig, device: str) -> dict[str, str]:
     and cuBLAS workspaces (`sglang_env`) plus `TRAINER_DETERMINISM_ENV`; nothing otherwise."""
     if device != "cuda" or not config.algorithm.true_on_policy:
         return {}
-    from slimrl.rollout.sglang.server_args import sglang_env
 
     return {**sglang_env(config), **TRAINER_DETERMINISM_ENV}
 
@@ -172,11 +176,6 @@ def node_labels(probes: list[tuple[str, str, int]]) -> list[tuple[str, int]]:
 def run_ledger(config: SlimConfig, slots: DeviceSlots, device: str) -> Ledger:
     """The device ledger of the placement Ray gave this run (its nodes, its GPUs' UUIDs), checked
     by the GPU's rules like the config's own layout was at load."""
-    from slimrl.devices.ledger import build_ledger
-    from slimrl.devices.rank_groups import Sizes
-    from slimrl.devices.rules import check_ledger
-    from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.parallel_layout import ParallelLayout
 
     arch = read_model_arch(config.model.hf_checkpoint, config.model.overrides)
     layout = ParallelLayout.resolve(config.parallel, config.train_world_size(), arch)

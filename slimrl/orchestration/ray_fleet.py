@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.launch_plan import engine_seats
 from slimrl.errors import SlimError
-from slimrl.orchestration.placement import DeviceSlots
+from slimrl.orchestration.placement import DeviceSlots, engine_actor_options
 
 logger = logging.getLogger("slimrl")
 
@@ -35,8 +36,6 @@ class RayFleet:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from slimrl.devices.launch_plan import engine_seats
-        from slimrl.orchestration.placement import engine_actor_options
         from slimrl.orchestration.rollout_manager import EngineActor, RolloutManager
 
         self.config = config

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from slimrl import estimators
-from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint
+from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint, read_driver_state
 from slimrl.config.schema import SlimConfig
 from slimrl.orchestration.colocation import MemoryHandoff
 from slimrl.orchestration.fp8_start import serving_checkpoint  # the FP8 start copy, written in parallel
@@ -29,9 +29,13 @@ from slimrl.orchestration.train_data import split_for_dp
 from slimrl.orchestration.trainer_group import TrainerGroup
 from slimrl.orchestration.update_check import UpdateCheck
 from slimrl.rollout.client import FleetDown
+from slimrl.rollout.rewards import scalar_reward
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
+from slimrl.trainer.algorithms import overlong_reward
+from slimrl.trainer.algorithms import sample_advantages as estimator
 from slimrl.trainer.batch import PerToken
+from slimrl.utils.gc_tuning import freeze_startup_heap
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
 
@@ -54,9 +58,6 @@ def _unless_fleet_down(rollout: Any) -> Any:
 def sample_advantages(config: SlimConfig, groups: list[list[Sample]]) -> list[float]:
     """Per-sample scalar advantages from group rewards (REINFORCE++/PPO get the raw reward), with
     DAPO's overlong penalty added to the rewards first when `algorithm.overlong_buffer_len` is set."""
-    from slimrl.rollout.rewards import scalar_reward
-    from slimrl.trainer.algorithms import overlong_reward
-    from slimrl.trainer.algorithms import sample_advantages as estimator
 
     algo = config.algorithm
     rewards = torch.tensor([[scalar_reward(s.reward) for s in g] for g in groups], dtype=torch.float64)
@@ -180,8 +181,6 @@ class RLRun:
 
     def resume(self) -> int:
         import ray
-
-        from slimrl.checkpoint_dir import read_driver_state
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
         if latest is None:
@@ -372,7 +371,6 @@ def run_rl(config: SlimConfig, run_dir: Path, slots: DeviceSlots, trainers: Trai
             "%d training ranks (%d data-parallel), %d parameters", trainers.world_size, trainers.dp_size,
             sum(s["local_params"] for s in summaries),
         )  # fmt: skip
-        from slimrl.utils.gc_tuning import freeze_startup_heap
 
         freeze_startup_heap()  # the driver's Ray, torch and config objects: out of later collections
         try:

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.devices.launch_plan import EngineSeat
 from slimrl.rollout.engine import LOCALHOST, EngineProcess
 from slimrl.rollout.front import FleetFront
+from slimrl.utils.gc_tuning import freeze_startup_heap
+from slimrl.utils.hang import register_stack_signal
 from slimrl.utils.net import node_address
 
 logger = logging.getLogger(__name__)
@@ -58,12 +61,10 @@ class RolloutManager:
     the router process, not yet waited for), then `connect(engine_urls)` once they are healthy."""
 
     def __init__(self, config: SlimConfig, log_dir: str, engine_urls: list[str] | None = None) -> None:
-        from slimrl.utils.hang import register_stack_signal
 
         register_stack_signal()  # stacks on demand when a wait of the run expires
         self.config = config
         self.front = FleetFront(config, Path(log_dir))  # first: the router starts while we load
-        from slimrl.data.hf_tokenizer import load_tokenizer
         from slimrl.rollout.data_source import DataSource
 
         self.tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
@@ -83,7 +84,6 @@ class RolloutManager:
     def connect(self, engine_urls: list[str]) -> None:
         """Connect the front to the healthy engines and open the rollout context."""
         from slimrl.rollout.generate import RolloutContext
-        from slimrl.utils.gc_tuning import freeze_startup_heap
 
         self.client = self.front.connect(engine_urls)
         self.ctx = RolloutContext(self.config, self.tokenizer, self.client)

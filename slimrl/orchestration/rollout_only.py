@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.orchestration.entry import prepare_run_dir, setup_logging
 from slimrl.orchestration.metrics import MetricsWriter, log_due
 from slimrl.orchestration.sample_log import start_samples, write_samples
 from slimrl.preflight.checks import check_run_inputs
+from slimrl.rollout.data_source import DataSource
 
 logger = logging.getLogger("slimrl")
 HEAL_INTERVAL_S = 5.0
@@ -37,7 +39,6 @@ async def _rollouts(
     writer: MetricsWriter,
     num_rollouts: int,
 ) -> None:
-    from slimrl.rollout.data_source import DataSource
 
     source = DataSource(config)
     evals = {name: DataSource(config, path, shuffle=False) for name, path in config.eval.datasets.items()}
@@ -91,7 +92,6 @@ async def healed_rollout(ctx: Any, source: Any, fleet: Any, evaluation: bool = F
 
 
 def run_rollout_only(config: SlimConfig, num_rollouts: int = 1) -> Path:
-    from slimrl.data.hf_tokenizer import load_tokenizer
     from slimrl.rollout.fleet import Fleet
     from slimrl.rollout.generate import RolloutContext
 

@@ -7,8 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from slimrl.checkpoint_dir import checkpoint_root
+from slimrl.checkpoint_dir import checkpoint_root, latest_checkpoint, read_driver_state
 from slimrl.config.schema import SlimConfig
+from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.data.prompts import EpochSampler, drop_long_prompts, load_prompts
 from slimrl.data.sft import sft_sample
 from slimrl.orchestration.metrics import MetricsWriter, log_due
@@ -27,7 +28,6 @@ def should_save(config: SlimConfig, step: int) -> bool:
 
 def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: EpochSampler) -> int:
     """Load the latest complete checkpoint (if resuming); returns the step it was taken at."""
-    from slimrl.checkpoint_dir import latest_checkpoint, read_driver_state
 
     latest = latest_checkpoint(root) if config.checkpoint.resume else None
     if latest is None:
@@ -40,7 +40,6 @@ def resume(config: SlimConfig, root: Path, trainers: TrainerGroup, sampler: Epoc
 
 
 def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
-    from slimrl.data.hf_tokenizer import load_tokenizer
 
     assert config.data.prompt_data is not None  # check_run_inputs: before anything started
     tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)

@@ -7,12 +7,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slimrl.checkpoint_dir import new_tmp_dir, publish
+from slimrl.compat import megatron_cpu
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.ledger import Ledger
 from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
 from slimrl.trainer.batch import TrainBatch
+from slimrl.trainer.distributed import RankInfo
 from slimrl.trainer.rank_api import TrainerRank
-from slimrl.utils.hang import Hung
+from slimrl.utils.gc_tuning import freeze_startup_heap
+from slimrl.utils.hang import Hung, register_stack_signal
+from slimrl.utils.net import free_port, node_address
+from slimrl.weight_sync.collectives import hang_report
 
 T = TypeVar("T")
 
@@ -33,7 +39,6 @@ class _RankAddress:
 
     @staticmethod
     def pick() -> tuple[str, int]:
-        from slimrl.utils.net import free_port, node_address
 
         return node_address(), free_port()
 
@@ -135,7 +140,6 @@ class TrainerGroup:
 
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
         """All ranks write into a fresh temporary directory; then it is published atomically."""
-        from slimrl.checkpoint_dir import new_tmp_dir, publish
 
         tmp = new_tmp_dir(root, step)
         try:
@@ -170,8 +174,6 @@ class TrainerGroup:
         rank's weights fingerprint (equal to the last push's only if no weight moved)."""
         import ray
         from ray.exceptions import GetTimeoutError
-
-        from slimrl.weight_sync.collectives import hang_report
 
         push = TrainerRank.push_weights.__name__  # bounded by its own timeout, not run()'s
         args = (urls, transport, str(version), sync_dir, str(trace_dir))
@@ -208,10 +210,7 @@ class _ActorHost:
     def create(
         self, config: SlimConfig, rank: int, world_size: int, address: tuple[str, int], ledger: Ledger | None
     ) -> None:
-        from slimrl.compat import megatron_cpu
         from slimrl.trainer.actor import MegatronActor
-        from slimrl.trainer.distributed import RankInfo
-        from slimrl.utils.hang import register_stack_signal
 
         register_stack_signal()  # stacks on demand when a wait on this rank expires
         master_addr, master_port = address
@@ -227,6 +226,5 @@ class _ActorHost:
 
     def freeze_startup_heap(self) -> int:
         """After set-up: Megatron, torch and the model stay out of later garbage collections."""
-        from slimrl.utils.gc_tuning import freeze_startup_heap
 
         return freeze_startup_heap()

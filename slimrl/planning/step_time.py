@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from slimrl.errors import ConfigError
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
+from slimrl.planning.engine_plan import EngineWidths, hf_tensors
 from slimrl.planning.gpus import GpuSpec
+from slimrl.planning.memory_plan import Chunk, chunk_tensors
 
 # ----------------------------------------------------------------------------- constants
 MATMUL_EFFICIENCY = 0.41
@@ -135,8 +137,6 @@ class ModelShape:
 
 def model_shape(arch: ModelArch) -> ModelShape:
     """Counts from the same tensors the memory and engine plans build (no weights read)."""
-    from slimrl.planning.engine_plan import EngineWidths, hf_tensors
-    from slimrl.planning.memory_plan import Chunk, chunk_tensors
 
     single = ParallelLayout(
         world_size=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, vpp=None, sequence_parallel=False

@@ -22,10 +22,11 @@ import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.planning.gpus import gpu_spec
-from slimrl.planning.step_time import ModelShape, StepSpec, TrainerSpec, Workload, model_shape
+from slimrl.planning.step_time import ModelShape, StepSpec, TrainerSpec, Workload, model_shape, predict
 from slimrl.planning.step_time_spec import VLLM_MAX_RUNNING, engine_spec, state_bytes, vllm_kv_room
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -614,7 +615,6 @@ def anchor_spec(anchor: Anchor) -> StepSpec:
 
 def predicted(anchor: Anchor, spec: StepSpec, phase: str) -> float:
     """The model's value of one published phase of `anchor` (`step`: the whole step)."""
-    from slimrl.planning.step_time import predict
 
     time = predict(spec)
     return time.step if phase == "step" else sum(time.phases[k] for k in anchor.phase_map[phase])
@@ -622,7 +622,6 @@ def predicted(anchor: Anchor, spec: StepSpec, phase: str) -> float:
 
 @functools.cache
 def _model(name: str) -> tuple[ModelArch, ModelShape]:
-    from slimrl.megatron_bridge.archs import read_model_arch
 
     arch = read_model_arch(MODELS / name, {})
     return arch, model_shape(arch)

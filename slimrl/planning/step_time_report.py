@@ -10,8 +10,12 @@ from pathlib import Path
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.planning.engine_plan import check_config_engines, plan_engine
 from slimrl.planning.gpus import GPUS, GpuSpec
+from slimrl.planning.memory_plan import check_fits, plan
 from slimrl.planning.step_time import StepTime, predict
+from slimrl.planning.step_time_spec import arch_and_shape, spec_from_config, state_bytes
 
 _NO_GPU = GPUS["H100"]
 """Engine specs do not depend on the GPU; a search builds them once with any."""
@@ -38,9 +42,6 @@ def time_config(
 ) -> StepTime:
     """The config's step time; a layout that cannot fit memory is refused with the memory plan's
     line (or the engine plan's) instead of a time."""
-    from slimrl.planning.engine_plan import check_config_engines
-    from slimrl.planning.memory_plan import check_fits, plan
-    from slimrl.planning.step_time_spec import spec_from_config
 
     device = "cpu" if config.cluster.device == "cpu" else "cuda"
     memory = plan(config, device=device)
@@ -157,10 +158,6 @@ def search(
     ranked by predicted step time with the trainer's state estimated from parameter counts; then the
     memory plan of each, fastest first, until `top` fit (or `budget_s` is spent). Returns the ranked
     layouts that fit and the counts of each stage."""
-    from slimrl.parallel_layout import ParallelLayout
-    from slimrl.planning.engine_plan import plan_engine
-    from slimrl.planning.memory_plan import plan
-    from slimrl.planning.step_time_spec import arch_and_shape, spec_from_config, state_bytes
 
     started = time.monotonic()
     arch, _ = arch_and_shape(config)
@@ -229,7 +226,6 @@ def search(
 
 def _engine_or_none(variant: SlimConfig, plan_engine):
     """The engine spec of a variant, or None when its engine cannot be built or does not fit."""
-    from slimrl.planning.step_time_spec import spec_from_config
 
     if variant.rollout.engine == "sglang" and variant.cluster.device != "cpu":
         try:

@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
+from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
+from slimrl.planning.engine_plan import EngineWidths, extra_flags, kv_bytes_per_token, plan_engine
 from slimrl.planning.gpus import GpuSpec
+from slimrl.planning.memory_plan import plan
 from slimrl.planning.step_time import EngineSpec, ModelShape, StepSpec, TrainerSpec, Workload, model_shape
 
 if TYPE_CHECKING:
@@ -49,7 +52,6 @@ def engine_spec(
 ) -> EngineSpec:
     """One engine of `gpus` GPUs (tensor parallel, experts split over all of them) from the
     architecture: what a decode step reads on one GPU, and the KV cache `kv_room_bytes` holds."""
-    from slimrl.planning.engine_plan import EngineWidths, kv_bytes_per_token
 
     weight = 1.0 if fp8 else float(dtype_bytes)
     head = shape.output_params * dtype_bytes  # the LM head stays unquantised
@@ -141,8 +143,6 @@ def _engines(
     rollout = config.rollout
     cap = math.ceil(rollout.max_concurrency / rollout.num_engines)
     if rollout.engine == "sglang" and device == "cuda":
-        from slimrl.planning.engine_plan import extra_flags, plan_engine
-
         engine = plan_engine(config)
         running = extra_flags(config).get("max-running-requests")
         if running is not None:
@@ -162,7 +162,6 @@ def _engines(
 
 @functools.cache
 def _arch_and_shape(checkpoint: str, overrides: str) -> tuple[ModelArch, ModelShape]:
-    from slimrl.megatron_bridge.archs import read_model_arch
 
     arch = read_model_arch(checkpoint, json.loads(overrides))
     return arch, model_shape(arch)
@@ -188,7 +187,6 @@ def spec_from_config(
     already made as `memory`; `from_counts` estimates it from parameter counts instead, as a search
     does before it plans the fastest layouts), its engines as the engine plan (SGLang) or the
     architecture (embedded) sees them (`engines`: reuse one)."""
-    from slimrl.planning.memory_plan import plan
 
     device = "cpu" if config.cluster.device == "cpu" else "cuda"
     arch, shape = arch_and_shape(config)

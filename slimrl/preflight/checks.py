@@ -11,10 +11,24 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from slimrl import estimators, policy_losses
-from slimrl.config.schema import SlimConfig
+from slimrl.compat.sglang_cpu import check_sglang_version
+from slimrl.config.schema import CriticConfig, SlimConfig
+from slimrl.data.prompts import check_prompt_file
 from slimrl.devices.device import resolve_device
+from slimrl.devices.launch_plan import simulated_layout
+from slimrl.devices.ledger import build_ledger
+from slimrl.devices.rank_groups import Sizes
+from slimrl.devices.rules import check_ledger
 from slimrl.errors import ConfigError
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.planning.engine_plan import check_config_engines
 from slimrl.policy_losses import PolicyLoss
+from slimrl.preflight.finalize import sft_batch_size, weight_transport
+from slimrl.rollout.agent.chat import tool_call_parsers
+from slimrl.rollout.hooks import check_hooks
+from slimrl.rollout.sglang.server_args import validate_sglang_config
+from slimrl.utils.cli_args import is_plain_name
 
 if TYPE_CHECKING:
     from slimrl.model_arch import ModelArch
@@ -186,22 +200,6 @@ def _get(config: SlimConfig, dotted: str) -> object:
     return value
 
 
-def weight_transport(config: SlimConfig) -> str:
-    """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
-
-    `auto` never picks one the layout breaks (`slimrl/devices/rules.py`): colocated, `tensor`, on
-    any number of nodes: every engine rank maps references (CUDA IPC by GPU UUID, shared memory on
-    CPU) from the trainer rank on its own GPU; `distributed` would put trainer rank 0 and the
-    colocated engine on its GPU in one NCCL group, which NCCL refuses. Disaggregated,
-    `distributed` (NCCL among distinct GPUs). `disk` needs a directory every node shares, which
-    cannot be checked from here, so it is never chosen.
-    """
-    choice = config.rollout.weight_sync
-    if choice != "auto":
-        return choice
-    return "tensor" if config.cluster.colocate else "distributed"
-
-
 def check_config(config: SlimConfig) -> None:
     for key, valid in CHOICES.items():
         value = _get(config, key)
@@ -212,9 +210,6 @@ def check_config(config: SlimConfig) -> None:
     _check_paths(config)
     _check_remote_code(config)
     if config.rollout.engine == "sglang":
-        from slimrl.compat.sglang_cpu import check_sglang_version
-        from slimrl.rollout.sglang.server_args import validate_sglang_config
-
         check_sglang_version()  # the pinned release, before anything starts
         validate_sglang_config(config)
     _check_cluster(config)
@@ -266,7 +261,6 @@ def _check_ranges(config: SlimConfig) -> None:
 
 def _check_names(config: SlimConfig) -> None:
     """Names that become one directory or file name inside the run's directories."""
-    from slimrl.utils.cli_args import is_plain_name
 
     named = {"run.name": (config.run.name, f"{config.run.runs_dir}/<name>")}
     named |= {f"eval.datasets.{n}": (n, "the run directory's eval files") for n in config.eval.datasets}
@@ -388,7 +382,6 @@ def _check_engine_memory(config: SlimConfig) -> None:
     checkpoint was written, not here. CPU engines have no such budget."""
     if not engines_planned(config):
         return
-    from slimrl.planning.engine_plan import check_config_engines
 
     check_config_engines(config)
 
@@ -412,8 +405,6 @@ def _check_weight_sync(config: SlimConfig) -> None:
 
 
 def _check_parallel(config: SlimConfig) -> None:
-    from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.parallel_layout import ParallelLayout
 
     device = resolve_device(config)
     if device == "cpu":
@@ -445,10 +436,6 @@ def _check_parallel(config: SlimConfig) -> None:
 def _check_device_rules(config: SlimConfig, layout: object, device: str) -> None:
     """The GPU's rules on the config's own layout (nodes of `cluster.gpus_per_node` devices), on
     CPU too: gloo would accept two members of a group on one device, NCCL does not."""
-    from slimrl.devices.launch_plan import simulated_layout
-    from slimrl.devices.ledger import build_ledger
-    from slimrl.devices.rank_groups import Sizes
-    from slimrl.devices.rules import check_ledger
 
     transport = weight_transport(config) if config.algorithm.loss == "policy" else None
     check_ledger(build_ledger(config, simulated_layout(config), device, Sizes.of(layout), transport))
@@ -483,7 +470,6 @@ def _check_batches(config: SlimConfig, dp: int) -> None:
     SFT: `train.global_batch_size` samples per step (null: DEFAULT_SFT_BATCH). RL: a rollout of
     rollout_batch_size * n_samples_per_prompt samples is cut into `train.steps_per_rollout` equal
     steps; `train.global_batch_size`, derived, may be set only to that value (a check, not a knob)."""
-    from slimrl.preflight.finalize import sft_batch_size
 
     train, rollout = config.train, config.rollout
     if config.algorithm.loss == "sft":
@@ -606,8 +592,6 @@ def _check_critic(config: SlimConfig) -> None:
     """PPO needs a value model and only PPO has one: `critic.*` is refused without it."""
     critic = config.critic
     if not config.has_critic():
-        from slimrl.config.schema import CriticConfig
-
         default = CriticConfig()
         changed = [f"critic.{k}" for k in CriticConfig.__slots__ if getattr(critic, k) != getattr(default, k)]
         if changed:
@@ -731,7 +715,6 @@ def _check_agent(config: SlimConfig) -> None:
             f"{key}: rollout.partial_rollout is not supported with an agent yet (a paused agent session "
             "cannot resume); set it to false"
         )
-    from slimrl.rollout.agent.chat import tool_call_parsers
 
     try:
         parsers = tool_call_parsers()
@@ -759,7 +742,6 @@ def _check_hooks(config: SlimConfig) -> None:
     `slimrl train` only found a bad one once its rollout manager ran, tens of seconds in)."""
     if not any(getattr(config.rollout, key) for key in _HOOK_KEYS):
         return
-    from slimrl.rollout.hooks import check_hooks
 
     check_hooks(config)
 
@@ -767,7 +749,6 @@ def _check_hooks(config: SlimConfig) -> None:
 def _check_data(config: SlimConfig) -> None:
     """The first records of every data file: readable, of the right shape, with the keys the run
     reads (a bad record further in still fails when the data is loaded, naming its line)."""
-    from slimrl.data.prompts import check_prompt_file
 
     data, rollout = config.data, config.rollout
     sft = config.algorithm.loss == "sft"

@@ -15,10 +15,27 @@ from pathlib import Path
 
 from slimrl.config.schema import SlimConfig
 from slimrl.devices.device import resolve_device
-from slimrl.preflight.checks import weight_transport
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.parallel_layout import ParallelLayout
 
 DEFAULT_SFT_BATCH = 32
 """Samples per SFT optimizer step when `train.global_batch_size` is null."""
+
+
+def weight_transport(config: SlimConfig) -> str:
+    """The transport `rollout.weight_sync` resolves to; the loop and `--dry-run` both ask here.
+
+    `auto` never picks one the layout breaks (`slimrl/devices/rules.py`): colocated, `tensor`, on
+    any number of nodes: every engine rank maps references (CUDA IPC by GPU UUID, shared memory on
+    CPU) from the trainer rank on its own GPU; `distributed` would put trainer rank 0 and the
+    colocated engine on its GPU in one NCCL group, which NCCL refuses. Disaggregated,
+    `distributed` (NCCL among distinct GPUs). `disk` needs a directory every node shares, which
+    cannot be checked from here, so it is never chosen.
+    """
+    choice = config.rollout.weight_sync
+    if choice != "auto":
+        return choice
+    return "tensor" if config.cluster.colocate else "distributed"
 
 
 def sft_batch_size(config: SlimConfig) -> int:
@@ -34,8 +51,6 @@ def rl_batch_size(config: SlimConfig) -> int:
 
 def finalize(config: SlimConfig) -> SlimConfig:
     """A copy of a checked config with every derived value filled in (idempotent)."""
-    from slimrl.megatron_bridge.archs import read_model_arch
-    from slimrl.parallel_layout import ParallelLayout
 
     out = copy.deepcopy(config)
     device = resolve_device(config)

@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import ConfigError
+from slimrl.preflight.checks import check_config
 from slimrl.utils.fs import atomic_write_text
 
 _EXTENDS_KEY = "extends"
@@ -109,8 +110,6 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         raise _merge_error(exc, str(path)) from None
 
     _make_paths_absolute(config)
-    from slimrl.preflight.checks import check_config
-
     check_config(config)
     return config
 

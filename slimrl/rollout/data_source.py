@@ -7,8 +7,10 @@ import copy
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
+from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.data.prompts import EpochSampler, PromptRecord, drop_long_prompts, load_prompts
 from slimrl.errors import ConfigError
+from slimrl.rollout.hooks import load_hook
 from slimrl.sample import Sample
 
 Group = list[Sample]
@@ -25,8 +27,6 @@ class DataSource:
             path, data.input_key, data.label_key, data.metadata_key
         )
         if data.max_prompt_tokens is not None:
-            from slimrl.data.hf_tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
             self.records = drop_long_prompts(
                 self.records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, path
@@ -63,7 +63,6 @@ class DataSource:
         return taken + fresh
 
     def _from_buffer(self, count: int) -> list[Group]:
-        from slimrl.rollout.hooks import load_hook
 
         pick = load_hook(self.config, "buffer_filter")
         if pick is None:

@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from slimrl.config.schema import SlimConfig
-from slimrl.data.sft import render_prompt
+from slimrl.data.prompts import render_prompt
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.routing import RoutingLayout, append_routing, routing_request

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slimrl.errors import SlimError
+from slimrl.rollout.agent.runner import generate as agent_generate
 from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group
 from slimrl.rollout.generate import EVALUATING, RolloutContext, apply_response, generate, sampling_params_for
@@ -45,8 +46,6 @@ def load_generate_fn(config: Any) -> Callable[..., Any]:
     agent runner with `rollout.agent_function_path` (`rollout/agent/`), or the built-in one (custom
     rollout loops call it too: `examples/custom_rollout.py`)."""
     if config.rollout.agent_function_path is not None:
-        from slimrl.rollout.agent.runner import generate as agent_generate
-
         return agent_generate
     return load_hook(config, "generate") or generate
 

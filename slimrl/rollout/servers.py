@@ -23,8 +23,12 @@ from pathlib import Path
 
 import requests
 
+from slimrl.compat.sglang_cpu import check_sglang_version
 from slimrl.config.schema import SlimConfig
+from slimrl.devices.device import resolve_device
 from slimrl.errors import SlimError
+from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
+from slimrl.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +189,6 @@ def server_command(
     """
     if config.rollout.engine == "embedded":
         return embedded_command(config, model_path, host, port, index), {"OMP_NUM_THREADS": "1"}
-    from slimrl.compat.sglang_cpu import check_sglang_version
-    from slimrl.devices.device import resolve_device
-    from slimrl.rollout.sglang.server_args import build_launch_command, sglang_env
 
     check_sglang_version()
     on_cpu = resolve_device(config) == "cpu"
@@ -204,7 +205,6 @@ def start_server(
 ) -> ServerProcess:
     """Engine `index` of `config` on a free local port, started as a run starts it and healthy;
     if it does not come up it is stopped and the error carries the tail of its log."""
-    from slimrl.utils.net import free_port
 
     port = free_port()
     cmd, env = server_command(config, model_path, "127.0.0.1", port, index)

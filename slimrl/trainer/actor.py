@@ -23,7 +23,7 @@ from slimrl.megatron_bridge.loading import load_hf_into_megatron
 from slimrl.megatron_bridge.megatron_config import BuildOptions
 from slimrl.model_arch import ModelArch
 from slimrl.parallel_layout import ParallelLayout
-from slimrl.trainer import losses, rl, weight_sync
+from slimrl.trainer import losses, ppo, rl, weight_sync
 from slimrl.trainer.batch import TrainBatch, digest_problem
 from slimrl.trainer.checkpoint import load_train_state, save_train_state
 from slimrl.trainer.critic import Critic
@@ -156,7 +156,8 @@ class MegatronActor:
         if found is not None:
             raise SlimError(f"trainer rank {found[0]}: {found[1]}")
         self.steps_done += 1
-        return rl.train_rollout(self, batch)
+        # PPO: GAE on the critic's values, then critic and policy steps
+        return (ppo if self.critic is not None else rl).train_rollout(self, batch)
 
     def response_logprobs(self, batch: TrainBatch) -> dict[int, list[float]]:
         """Per-sample response logprobs under the current weights (last pipeline stage only)."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from slimrl.errors import SlimError
+from slimrl.sampled import train_digest
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -352,7 +353,6 @@ def pad_micro_batch_count(parts: list[TrainBatch], count: int) -> list[TrainBatc
 def digest_problem(batch: TrainBatch) -> str | None:
     """The first sequence that did not arrive as the driver sent it (tokens, loss mask or routing
     rows changed on the way), named; None when every one did."""
-    from slimrl.sampled import train_digest
 
     for k, expected in enumerate(batch.digests):
         routing = batch.routed_experts[k] if batch.routed_experts is not None else None

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from slimrl.errors import SlimError
+from slimrl.megatron_bridge.dist_ckpt import sharded_model_state, sync_save_strategy
+
 if TYPE_CHECKING:
     from slimrl.trainer.actor import MegatronActor
     from slimrl.trainer.model import TrainState
@@ -47,7 +50,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _train_state(train_state: TrainState, is_loading: bool) -> dict[str, Any]:
-    from slimrl.megatron_bridge.dist_ckpt import sharded_model_state
 
     model = sharded_model_state(train_state.model)
     optimizer = train_state.optimizer.sharded_state_dict(
@@ -58,8 +60,6 @@ def _train_state(train_state: TrainState, is_loading: bool) -> dict[str, Any]:
 
 def _save(train_state: TrainState, directory: Path, extra: dict[str, Any]) -> None:
     from megatron.core import dist_checkpointing
-
-    from slimrl.megatron_bridge.dist_ckpt import sync_save_strategy
 
     state = _train_state(train_state, is_loading=False)
     state["scheduler"] = train_state.scheduler.state_dict()
@@ -121,8 +121,6 @@ def _load(train_state: TrainState, directory: Path, extra: tuple[str, ...] = ())
 def load_train_state(actor: MegatronActor, directory: Path) -> None:
     """All ranks: restore model, optimizer, schedule, the critic's (and RNG when the world size matches)."""
     import torch.distributed as dist
-
-    from slimrl.errors import SlimError
 
     assert actor.state is not None
     if actor.critic is not None and not (directory / CRITIC).is_dir():

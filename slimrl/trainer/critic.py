@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slimrl.megatron_bridge.dist_ckpt import load_model
 from slimrl.trainer import algorithms as alg
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_train_state
 from slimrl.trainer.offload import Offloader
@@ -73,8 +74,6 @@ class Critic:
         options = dataclasses.replace(options, routing_replay=False)
         chunks = build_gpt_chunks(arch, layout, options, config.train.max_seq_len, value_head=True)
         if settings.load:
-            from slimrl.megatron_bridge.dist_ckpt import load_model
-
             load_model(chunks, Path(settings.load))
         else:
             _copy_body(policy_chunks, chunks)

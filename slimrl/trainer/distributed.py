@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from slimrl.devices.ledger import Ledger
+from slimrl.errors import SlimError
 from slimrl.parallel_layout import ParallelLayout
 from slimrl.utils.net import bound_tcp_store
 
@@ -76,8 +77,6 @@ def check_groups_against_ledger(ledger: Ledger, rank: int) -> None:
     checked before anything started (`slimrl/devices`): its rank arithmetic is ours, verified."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-
-    from slimrl.errors import SlimError
 
     built = {
         "tensor_parallel": mpu.get_tensor_model_parallel_group(),

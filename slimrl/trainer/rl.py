@@ -405,10 +405,6 @@ def policy_step(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
 
 def train_rollout(actor: MegatronActor, batch: TrainBatch) -> dict[str, float]:
     """prepare() then `steps_per_rollout` optimizer steps on equal slices of the batch."""
-    if actor.critic is not None:  # PPO: GAE on the critic's values, critic and policy steps
-        from slimrl.trainer import ppo
-
-        return ppo.train_rollout(actor, batch)
     start = time.perf_counter()
     metrics = prepare(actor, batch)
     steps = actor.config.train.steps_per_rollout

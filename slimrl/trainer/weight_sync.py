@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from slimrl.errors import SlimError
+from slimrl.megatron_bridge.bucketing import load_together
 from slimrl.megatron_bridge.export import Exporter
 from slimrl.trainer.numerics import weights_fingerprint
 from slimrl.utils import faults
+from slimrl.utils.net import free_port, node_address
 from slimrl.weight_sync import collectives
 from slimrl.weight_sync.engines import EngineAddress, EngineCalls
 from slimrl.weight_sync.fp8 import fp8_bucket
@@ -35,8 +37,6 @@ def sync_target(
     actor: MegatronActor, urls: list[str], version: str, sync_dir: str | None, calls: EngineCalls
 ) -> SyncTarget:
     """The same description of the sync on every rank (rank 0 picks the group's port)."""
-    from slimrl.megatron_bridge.bucketing import load_together
-    from slimrl.utils.net import free_port, node_address
 
     address: list[object] = [(node_address(), free_port()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(address, src=0)

@@ -32,6 +32,7 @@ from slimrl.devices.ledger import Group, Ledger, Reference
 from slimrl.devices.rules import check_group, check_reference
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.bucketing import Together, bucketed
+from slimrl.megatron_bridge.hf_io import ShardWriter, finalize_index
 from slimrl.utils.tensors import NamedTensors
 from slimrl.weight_sync import collectives, wire
 from slimrl.weight_sync.engines import EngineAddress, EngineCalls
@@ -384,7 +385,6 @@ class DiskTransport(WeightTransport):
     session = False  # SGLang's disk loader restores and post-processes the weights itself
 
     def __init__(self, target: SyncTarget) -> None:
-        from slimrl.megatron_bridge.hf_io import ShardWriter
 
         super().__init__(target)
         if target.directory is None:
@@ -396,7 +396,6 @@ class DiskTransport(WeightTransport):
             self.writer.add(name, tensor)
 
     def finish(self, pool: ThreadPoolExecutor) -> None:
-        from slimrl.megatron_bridge.hf_io import finalize_index
 
         self.writer.flush()
         gathered = collectives.all_gather_object((self.writer.files, self.writer.bytes_written))

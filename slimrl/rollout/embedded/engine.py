@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.rollout.embedded.kv_cache import BatchKV
 from slimrl.rollout.embedded.sampling import SamplingParams, sample_step
 from slimrl.rollout.embedded.weight_checker import WeightChecker
@@ -239,8 +240,6 @@ class EmbeddedEngine:
         start: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
-
-        from slimrl.data.hf_tokenizer import load_tokenizer
 
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")

@@ -22,6 +22,15 @@ from typing import Any
 
 import torch
 
+from slimrl.compat import megatron_cpu
+from slimrl.config.schema import SlimConfig
+from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.megatron_bridge.hf_io import HFCheckpointReader
+from slimrl.megatron_bridge.loading import load_hf_into_megatron
+from slimrl.parallel_layout import ParallelLayout
+from slimrl.trainer.distributed import RankInfo, init_distributed
+from slimrl.trainer.logprobs import token_logprobs
+from slimrl.trainer.model import build_gpt_chunks, build_options
 from slimrl.utils.net import free_port
 
 log = logging.getLogger(__name__)
@@ -31,7 +40,6 @@ def _megatron_thread_context() -> contextlib.AbstractContextManager[Any]:
     """Megatron-Core on CPU needs `megatron_cpu`'s CUDA-to-CPU torch-function mode, which is
     per thread: `apply()` installed it on the thread that built the model, while scoring runs on
     the engine's scheduler thread."""
-    from slimrl.compat import megatron_cpu
 
     if not megatron_cpu.needs_cpu_compat():
         return contextlib.nullcontext()
@@ -59,13 +67,6 @@ class MegatronScorer:
     """`EmbeddedEngine` passes each request's effective temperature (1.0 for greedy)."""
 
     def __init__(self, model_path: str, seed: int = 0) -> None:
-        from slimrl.config.schema import SlimConfig
-        from slimrl.megatron_bridge.archs import read_model_arch
-        from slimrl.megatron_bridge.hf_io import HFCheckpointReader
-        from slimrl.megatron_bridge.loading import load_hf_into_megatron
-        from slimrl.parallel_layout import ParallelLayout
-        from slimrl.trainer.distributed import RankInfo, init_distributed
-        from slimrl.trainer.model import build_gpt_chunks, build_options
 
         # The trainer's configuration in true_on_policy mode (defaults elsewhere): the same
         # `build_options` decides dtype, spec, dispatcher and deterministic mode. Built from the
@@ -91,7 +92,6 @@ class MegatronScorer:
 
     def refresh(self, targets: Any) -> None:
         """Reload every Megatron tensor from the engine's live weights (after a weight update)."""
-        from slimrl.megatron_bridge.loading import load_hf_into_megatron
 
         with _megatron_thread_context():
             load_hf_into_megatron(self.chunks, self.arch, self.layout, LiveHFWeights(targets, self.names))
@@ -100,7 +100,6 @@ class MegatronScorer:
     def __call__(self, tokens: list[int], response_length: int, temperature: float = 1.0) -> list[float]:
         """log p(response token) under the current weights, computed exactly as the trainer does."""
         from slimrl.trainer.batch import TrainBatch, collate
-        from slimrl.trainer.logprobs import token_logprobs
 
         batch = TrainBatch(
             tokens=[list(tokens)], response_lengths=[response_length], loss_masks=[[1] * response_length]

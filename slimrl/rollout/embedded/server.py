@@ -57,6 +57,7 @@ from slimrl.rollout.embedded.engine import (
     GenerateRequest,
     RequestError,
 )
+from slimrl.rollout.embedded.megatron_scorer import MegatronScorer
 from slimrl.rollout.embedded.protocol import generate_response, parse_generate
 from slimrl.rollout.embedded.sampling import SamplingParams
 from slimrl.rollout.embedded.weights import WeightUpdateError
@@ -257,8 +258,6 @@ class EmbeddedServer:
     def _make_engine(self) -> EmbeddedEngine:
         rescorer = None
         if self.args.true_on_policy:
-            from slimrl.rollout.embedded.megatron_scorer import MegatronScorer
-
             rescorer = MegatronScorer(self.args.model_path, seed=self.args.seed)
         return EmbeddedEngine(
             self.args.model_path,

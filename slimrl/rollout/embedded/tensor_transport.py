@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing.reductions as torch_reductions
 
 from slimrl.utils.tensors import NamedTensors
+from slimrl.weight_sync.wire import init_broadcast_group
 
 
 @dataclass
@@ -186,7 +187,6 @@ def init_weight_update_group(
     timeout_s: float = 120.0,
 ) -> WeightUpdateGroup:
     """Join the group as SGLang's `init_custom_process_group` does; blocks until all ranks joined."""
-    from slimrl.weight_sync.wire import init_broadcast_group
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")

@@ -20,15 +20,23 @@ GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 """`tokenizer_class` values that name the generic class (transformers 5: one class, two names)."""
 
 
-def _generic(path: Path) -> bool:
+def _json(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
+        loaded = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _generic(path: Path) -> bool:
+    """The checkpoint names the generic class and maps `AutoTokenizer` to no code of its own (in
+    either of transformers' two places for it)."""
+    config = _json(path / "tokenizer_config.json")
+    model_map = _json(path / "config.json").get("auto_map")
     return (
-        isinstance(config, dict)
-        and config.get("tokenizer_class") in GENERIC_CLASSES
+        config.get("tokenizer_class") in GENERIC_CLASSES
         and "auto_map" not in config
+        and not (isinstance(model_map, dict) and "AutoTokenizer" in model_map)
         and (path / "tokenizer.json").is_file()
     )
 
@@ -38,7 +46,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     if _generic(Path(path)):
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(
+            str(path), trust_remote_code=False
+        )  # no code of its own
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)

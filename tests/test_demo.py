@@ -20,7 +20,7 @@ def test_make_demo_reaches_the_readme_s_0_9(tmp_path):
     """`make demo`'s script on the demo config, whole (330 steps: EP2, 2 engines behind
     sglang-router, 64 prompts x 16 samples), from a missing model and data set as a fresh clone
     runs it (the script makes both, as `make demo` does): the README's claim, measured. It trains
-    from chance, the mean of the last 10 rollouts reaches 0.9 (first at steps 231-270 in 9 runs of
+    from chance, the mean of the last 10 rollouts reaches 0.9 (first at steps 231-278 in 10 runs of
     3 seeds, ended at 0.927-0.979), and the script reports the first-10 and last-10 reward, that
     step, its wall time and the plot."""
     cmd = [

@@ -188,17 +188,24 @@ class FleetClient:
             body["text"] = text
         body.update(extra)
         use_router = self.router_url is not None and not self.needs_client_routing(extra)
-        rid = body["rid"]
-        self.rids[rid] = None
+        return await self._within_timeout(body, [body["rid"]], use_router, f"request {body['rid']}")
+
+    async def _within_timeout(
+        self, body: dict[str, Any], rids: list[str], use_router: bool, what: str
+    ) -> Any:
+        """`_generate` with its rids known while in flight; past `request_timeout_s` every one of
+        them is aborted on the engines and `RequestTimedOut` raised."""
+        self.rids.update(dict.fromkeys(rids))
         try:
             return await asyncio.wait_for(self._generate(body, use_router), timeout=self.request_timeout_s)
         except TimeoutError:
-            await self._abort_rids([rid])
+            await self._abort_rids(rids)
             raise RequestTimedOut(
-                f"request {rid} exceeded rollout.request_timeout_s={self.request_timeout_s:g}"
+                f"{what} exceeded rollout.request_timeout_s={self.request_timeout_s:g}"
             ) from None
         finally:
-            self.rids.pop(rid, None)
+            for rid in rids:
+                self.rids.pop(rid, None)
 
     async def generate_batch(
         self,
@@ -222,18 +229,7 @@ class FleetClient:
             "rid": list(rids),
             **extra,
         }
-        self.rids.update(dict.fromkeys(rids))
-        try:
-            result = await asyncio.wait_for(self._generate(body, False), timeout=self.request_timeout_s)
-        except TimeoutError:
-            await self._abort_rids(list(rids))
-            raise RequestTimedOut(
-                f"batch {rids[0]} (+{len(rids) - 1}) exceeded "
-                f"rollout.request_timeout_s={self.request_timeout_s:g}"
-            ) from None
-        finally:
-            for rid in rids:
-                self.rids.pop(rid, None)
+        result = await self._within_timeout(body, list(rids), False, f"batch {rids[0]} (+{len(rids) - 1})")
         if not (isinstance(result, list) and len(result) == len(rids)):
             raise SlimError(f"/generate answered a batch of {len(rids)} with {str(result)[:200]}")
         return result

@@ -87,8 +87,7 @@ class _GroupRunner:
         async with self.semaphore:
             if self.stopping:  # the batch filled up while this sample waited for a slot
                 return [sample]
-            rid = f"{self.rid_prefix}{sample.index}-{sample.response_length}"
-            sample.metadata["rid"] = rid
+            rid = sample.metadata["rid"] = self._rid(sample)
             RID_PREFIX.set(f"{rid}-")  # this task only: a hook's own requests share the prefix
             EVALUATING.set(self.evaluation)  # this task only: eval samples ask for no routing
             params = self._params(sample)
@@ -115,6 +114,10 @@ class _GroupRunner:
             self._check(one)
         self.failures += sum(one.status == Status.FAILED for one in samples)  # a hook's own (an agent's)
         return samples
+
+    def _rid(self, sample: Sample) -> str:
+        """Per sample and continuation: a partial sample continued later asks under a new rid."""
+        return f"{self.rid_prefix}{sample.index}-{sample.response_length}"
 
     def _params(self, sample: Sample) -> dict[str, Any]:
         return {**self.params, "sampling_seed": self.ctx.config.run.seed * 1_000_003 + sample.index}
@@ -153,7 +156,7 @@ class _GroupRunner:
             params = [self._params(s) for s in samples]
             for sample in samples:
                 sample.tokens = list(prompt_ids)
-                sample.metadata["rid"] = f"{self.rid_prefix}{sample.index}-0"
+                sample.metadata["rid"] = self._rid(sample)
             if params[0]["max_new_tokens"] <= 0:
                 for sample in samples:
                     sample.status = Status.TRUNCATED

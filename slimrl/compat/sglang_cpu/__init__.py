@@ -15,6 +15,8 @@ SGLang 0.5.23 serves tiny Qwen3, Qwen3-MoE, Qwen2 and Llama models on CPU with i
   import): with `--enable-memory-saver` (colocated runs) SGLang's own release/resume code runs, and
   released weights come back as NaN unless `--enable-weights-cpu-backup` kept a host copy
   (torch_memory_saver needs CUDA, and the release's device synchronize crashed without it).
+- the GPU kernel packages installed for the GPU path absent from every server process
+  (`sitecustomize.py`), as in SGLang's own CPU install.
 GPU servers never see any of this: `server_args.py` asks `cpu_launch()` only when the engines run
 on CPU.
 """

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import psutil
+from gate import record
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -124,6 +125,12 @@ def main() -> None:
         rows[f"workers_{workers}"] = {d: row(*best[(workers, d)]) for d in ("hf_to_mcore", "mcore_to_hf")}
     rows["rss_goal_gb"] = round(goal_rss / 1e9, 3)
     print(json.dumps(rows, indent=2))
+    gated = {}
+    for workers in args.workers:
+        for direction, row in rows[f"workers_{workers}"].items():
+            for kind in ("core", "cli"):
+                gated[f"w{workers}_{direction}_{kind}_vs_proxy"] = row[f"{kind}_ratio_to_proxy"]
+    record("convert", gated)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import torch
+from gate import record
 
 from slimrl.rollout.servers import ServerProcess
 
@@ -120,6 +121,9 @@ def main() -> int:
         baseline = _baseline(model_dir, prompts, args.max_new_tokens)
     table = _table(args, http, baseline)
     print(json.dumps(table, indent=2))
+    gated = {"embedded_c16_vs_c1": table.get("ratio_c16_vs_c1")}
+    gated |= {f"embedded_vs_sglang_{c}": v for c, v in table.get("embedded_vs_sglang", {}).items()}
+    record("engine", {name: value for name, value in gated.items() if value})
     return 0 if table["ok"] else 1
 
 

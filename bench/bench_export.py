@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from gate import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_checkpoint import write_checkpoint
@@ -53,17 +54,19 @@ def main() -> None:
     for bucket in export_hf_buckets(chunks, arch, layout, args.bucket_mb * 1024**2):
         exported += sum(t.numel() * t.element_size() for _, t in bucket)
     export_s = time.perf_counter() - start
+    ratio = (exported / export_s) / (copied / copy_s)
     print(
         json.dumps(
             {
                 "bytes": exported,
                 "plain_copy_gb_per_s": round(copied / copy_s / 1e9, 3),
                 "export_gb_per_s": round(exported / export_s / 1e9, 3),
-                "export_ratio_to_copy": round((exported / export_s) / (copied / copy_s), 3),
+                "export_ratio_to_copy": round(ratio, 3),
             },
             indent=2,
         )
     )
+    record("export", {"export_vs_copy": ratio})
 
 
 if __name__ == "__main__":

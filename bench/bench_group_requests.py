@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gate import record
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -136,6 +138,7 @@ def main() -> int:
         "single_vs_grouped_wall": round(medians["single"]["wall_s"] / medians["grouped"]["wall_s"], 2),
     }
     print(json.dumps(table, indent=2))
+    record("group_requests", {k: table[k] for k in ("single_vs_grouped_cpu", "single_vs_grouped_wall")})
     return 0
 
 

@@ -28,6 +28,8 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from gate import record
+
 from slimrl.sample import Sample
 from slimrl.trainer.batch import (
     TrainBatch,
@@ -124,6 +126,7 @@ def main() -> int:
         "goal": f"packed efficiency >= {args.min_efficiency}",
     }
     print(json.dumps(report, indent=2))
+    record("packing", {"packed_efficiency": results["packed"]["efficiency"]})
     return 0 if results["packed"]["efficiency"] >= args.min_efficiency else 1
 
 

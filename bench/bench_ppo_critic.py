@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gate import record
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -114,6 +116,7 @@ def main() -> int:
         "goal_met": ratio <= args.max_ratio,
     }
     print(json.dumps(report, indent=2))
+    record("ppo_critic", {"grpo_over_ppo_step": 1 / ratio})
     return 0 if report["goal_met"] else 1
 
 

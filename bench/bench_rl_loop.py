@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gate import record
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "tiny_moe_grpo_cpu.yaml"
 WARMUP = 3
@@ -117,6 +119,8 @@ def main() -> None:
         ),
     }
     print(json.dumps(report, indent=1))
+    record("rl_loop", {"demo_work_share": 1 - report["demo_orchestration_overhead"],
+                       "sync_over_async_step": 1 / report["async_vs_sync_step_time"]})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gate import record
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -117,6 +119,7 @@ def main() -> int:
         "router_vs_client_side": round(medians["router"] / medians["client_side"], 3),
     }
     print(json.dumps(table, indent=2))
+    record("router", {"router_vs_client_side": table["router_vs_client_side"]})
     return 0
 
 

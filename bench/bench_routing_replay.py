@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gate import record
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
@@ -228,6 +230,7 @@ def main() -> int:
     report["goal"] = f"overhead < {args.max_overhead} and max mismatch lower with replay"
     report["goal_met"] = replayed / free - 1 < args.max_overhead and mismatch_down
     print(json.dumps(report, indent=2))
+    record("routing_replay", {"free_over_replayed_step": free / replayed})
     return 0 if report["goal_met"] else 1
 
 

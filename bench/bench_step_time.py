@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gate import record
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -55,7 +57,8 @@ TWIN_METRICS = {
 (logprob passes included)."""
 
 
-def published_table() -> None:
+def published_table() -> float:
+    """Prints the table; returns the share of checked phases within 25% of the published figure."""
     print(f"{'row':<42}{'phase':<14}{'published':>10}{'predicted':>10}{'ratio':>7}  status")
     counts: dict[str, int] = {}
     inside = 0
@@ -69,6 +72,7 @@ def published_table() -> None:
         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         + f"; {inside} of {counts.get('checked', 0)} checked within 25%"
     )
+    return inside / max(counts.get("checked", 0), 1)
 
 
 def fit() -> None:
@@ -178,7 +182,9 @@ def cpu_twin(metrics: Path | None) -> None:
         print("(no --metrics: a run's metrics.jsonl gives the measured column, e.g. after `make demo`)")
 
 
-def cli_speed() -> None:
+def cli_speed() -> dict[str, float]:
+    """Seconds of each CLI call as its limit over the time taken (above 1: within the limit)."""
+    margins = {}
     env = dict(os.environ, PYTHONPATH=str(REPO))
     workload = ["--prompt-tokens", "200", "--response-tokens", "4000"]
     for what, args, limit in (
@@ -190,9 +196,10 @@ def cli_speed() -> None:
             [sys.executable, "-m", "slimrl.cli", "plan", "configs/grpo_moe_256gpu.yaml", *args],
             cwd=REPO, env=env, check=True, capture_output=True,
         )  # fmt: skip
-        print(
-            f"{what} on configs/grpo_moe_256gpu.yaml: {time.perf_counter() - start:.1f} s (limit {limit} s)"
-        )
+        seconds = time.perf_counter() - start
+        print(f"{what} on configs/grpo_moe_256gpu.yaml: {seconds:.1f} s (limit {limit} s)")
+        margins[f"{what.split()[1].lstrip('-')}_limit_over_seconds"] = limit / seconds
+    return margins
 
 
 def main() -> int:
@@ -203,13 +210,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.metrics is not None and not args.metrics.is_file():
         parser.error(f"--metrics {args.metrics}: no such file")
-    published_table()
+    gated = {"checked_phases_within_25pct": published_table()}
     if args.fit:
         fit()
     cpu_twin(args.metrics)
     if not args.no_cli:
         print()
-        cli_speed()
+        gated |= cli_speed()
+    record("step_time", gated)
     return 0
 
 

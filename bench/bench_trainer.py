@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gate import record
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -151,6 +153,10 @@ def main() -> int:
         "goal_met": rl / bare - 1 < args.max_overhead,
     }
     print(json.dumps(report, indent=2))
+    record(
+        "trainer",
+        {"bare_over_rl_step": bare / rl, "bare_over_rl_step_rollout_logprobs": bare / rl_no_recompute},
+    )
     return 0 if report["goal_met"] else 1
 
 

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from gate import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_checkpoint import write_checkpoint
@@ -214,7 +215,12 @@ def main() -> None:
         pushes = {
             kind: push_seconds(actor, kind, scratch, bucket, args.repeats) for kind in args.engines.split(",")
         }
-    print(json.dumps(report(nbytes, export_s, pushes), indent=1))
+    table = report(nbytes, export_s, pushes)
+    print(json.dumps(table, indent=1))
+    record(
+        "weight_sync",
+        {f"{r['engine']}_{r['transport']}_vs_warm_copy": r["vs_warm_copy"] for r in table["rows"]},
+    )
 
 
 if __name__ == "__main__":

@@ -187,7 +187,8 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
     tmp_path, cases, packed, nproc, overrides, layers
 ):
     case = cases[layers]
-    logprobs, results, metrics = run_layout(tmp_path, case, nproc, overrides)
+    same_as_packed = (nproc, overrides, layers) == (1, ["train.max_tokens_per_gpu=40"], 2)
+    logprobs, results, metrics = packed if same_as_packed else run_layout(tmp_path, case, nproc, overrides)
     # (a) replaying the model's own choice changes nothing
     free = [logprobs["free"][str(k)] for k in range(len(logprobs["free"]))]
     assert max_abs_diff(logprobs["replay/own"], free) < 1e-6

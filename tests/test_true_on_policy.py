@@ -140,9 +140,10 @@ def with_prompt_ids(samples: list[dict[str, Any]], tokenizer_dir: Path) -> list[
     ("arch", "layouts"),
     [
         ("qwen3", [(1, [])]),
-        # TP=1, EP=1 layouts of the MoE model: alone, DP2, PP2 (each rank scores every sample).
-        # Not EP>1: the all-to-all merges tokens of several ranks into each expert's GEMM.
-        ("qwen3_moe", [(1, []), (2, []), (2, ["parallel.pp=2"])]),
+        # TP=1, EP=1 layouts of the MoE model: DP2 and PP2 (each DP rank scores every sample alone,
+        # as a world of one would). Not EP>1: the all-to-all merges tokens of several ranks into
+        # each expert's GEMM.
+        ("qwen3_moe", [(2, []), (2, ["parallel.pp=2"])]),
     ],
     ids=["qwen3", "qwen3_moe"],
 )

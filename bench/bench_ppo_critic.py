@@ -58,6 +58,8 @@ def main() -> int:
         critic = actor.critic
         assert critic is not None
         base = make_batch(actor.arch.vocab_size, args.samples)
+        # GRPO (a group estimator) gets advantages from the driver, PPO (token-level) the scores
+        base.per_token.scores = [list(row) for row in base.per_token.advantages]
         rollout = actor.response_logprobs(base)
         base.per_token.rollout_logp = [rollout[i] for i in range(len(base))]
 

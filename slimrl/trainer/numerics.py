@@ -50,6 +50,14 @@ def _grads(chunks: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor | None]]:
             )
 
 
+FINGERPRINT_PIECE = 1 << 20
+"""Elements per float64 piece of `weights_fingerprint` (8 MB, reused from the allocator's cache)."""
+
+
+def _device(chunks: Sequence[Any]) -> torch.device:
+    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+
+
 def _params(chunks: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor | None]]:
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -103,11 +111,16 @@ def weights_fingerprint(chunks: Sequence[Any]) -> tuple[float, float]:
     update check asks whether an update changed anything to push). A non-finite parameter on any
     rank stops the sync, unsent: the float64 sum of squares is finite exactly when every element
     is (a finite bf16/fp32 value squared is below 1e77), so only a failing rank looks for the name."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=_device(chunks))
     for chunk in chunks:
         for param in chunk.parameters():
-            data = param.data.double()
-            total += torch.stack([data.sum(), data.square().sum()]).cpu()
+            # In float64 a piece at a time: a whole parameter's float64 copy and its square would
+            # be two fresh allocations of twice its bytes at every sync (first-touch page faults on
+            # a host: a 0.52 GB push took 0.35 s longer); dot() sums the squares without a copy.
+            for piece in param.data.reshape(-1).split(FINGERPRINT_PIECE):
+                data = piece.double()
+                total += torch.stack([data.sum(), torch.dot(data, data)])
+    total = total.cpu()
     local = None if math.isfinite(float(total[1])) else _first_nonfinite(_params(chunks))
     found = agreed_first(local)
     if found is not None:

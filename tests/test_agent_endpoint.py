@@ -34,6 +34,7 @@ from examples import openai_agent
 from slimrl.data.tiny_models import make_tiny
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.orchestration.sample_log import SampleLog
 from slimrl.preflight import load_config
 from slimrl.rollout.agent.endpoint import AgentEndpoint
 from slimrl.rollout.agent.runner import run_agent_sample
@@ -482,6 +483,45 @@ def test_a_failing_agent_is_a_failed_sample_with_its_reason(stack: Stack, agent:
     assert sample.status == Status.FAILED and sample.metadata["failure"].startswith(reason)
     assert time.monotonic() - started < 30
     assert sample.tokens == [] and sample.reward is None
+
+
+async def picky_agent(base_url: str, api_key: str, task: dict[str, Any]) -> Any:
+    """The example agent, except on the task labelled `broken`: there its tool server is down."""
+    if task["label"] == "broken":
+        return await raising_agent(base_url, api_key, task)
+    return await openai_agent.run_agent(base_url, api_key, task)
+
+
+def test_a_group_with_a_failed_agent_run_is_set_aside_and_logged_with_its_reason(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A rollout trains on finished groups only; the group whose agent run failed is set aside
+    (`RolloutResult.unfinished`) and the sample log keeps it (`train/unfinished`, the reason in
+    `metadata["failure"]`) instead of dropping it silently."""
+    data = tmp_path / "tasks.jsonl"
+    rows = [{"prompt": TASK["prompt"], "label": TASK["label"]}, {"prompt": TASK["prompt"], "label": "broken"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, [
+        f"model.hf_checkpoint={stack.model}", f"data.prompt_data={data}", "cluster.gpus_per_node=1",
+        f"rollout.agent_function_path={__name__}.picky_agent", "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2", "rollout.sampling.temperature=0",
+    ])  # fmt: skip
+    ctx = RolloutContext(config, stack.tokenizer, stack.endpoint.client)
+    result = stack.loop.run(run_rollout(ctx, DataSource(config)))
+    assert len(result.groups) == 2 and all(s.label == TASK["label"] for g in result.groups for s in g)
+    assert result.unfinished and result.metrics["unfinished_groups"] == len(result.unfinished)
+    for group in result.unfinished:
+        assert [s.label for s in group] == ["broken", "broken"]
+        assert all(s.status == Status.FAILED for s in group)
+        assert all(s.metadata["failure"].startswith("the agent raised RuntimeError") for s in group)
+    log = SampleLog(tmp_path)
+    log.append(0, result.groups, unfinished=result.unfinished)
+    log.close()
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    splits = [r["split"] for r in records]
+    assert splits == ["train"] * 4 + ["train/unfinished"] * (2 * len(result.unfinished))
+    assert {r["status"] for r in records[4:]} == {"failed"}
+    assert all("tool server is down" in r["metadata"]["failure"] for r in records[4:])
 
 
 def test_a_synchronous_agent_runs_in_a_thread_of_its_own(stack: Stack) -> None:

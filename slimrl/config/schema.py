@@ -251,8 +251,9 @@ class RolloutConfig:
     engine a run starts has them open on the network."""
     save_samples: bool = True
     """Append each rollout's samples to `rollout_samples.jsonl` in the run directory, one JSON object
-    per sample (`slimrl train`: training rollouts; `slimrl rollout`: evals too). A resumed run
-    drops the rollouts after its checkpoint, which it redoes."""
+    per sample (`slimrl train`: training rollouts; `slimrl rollout`: evals too), and the groups a
+    rollout set aside unfinished (`split` `train/unfinished`). A resumed run drops the rollouts
+    after its checkpoint, which it redoes."""
 
 
 @_section

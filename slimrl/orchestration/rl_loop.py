@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from slimrl.trainer.batch import PerToken
 from slimrl.utils.gc_tuning import freeze_startup_heap
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
+
+if TYPE_CHECKING:
+    from slimrl.rollout.rollout import RolloutResult
 
 logger = logging.getLogger("slimrl")
 
@@ -198,7 +201,7 @@ class RLRun:
         logger.info("resumed from %s (step %d)", latest, state["step"])
         return int(state["step"])
 
-    def _collect(self, step: int, pending: deque) -> tuple[list[list[Sample]], dict]:
+    def _collect(self, step: int, pending: deque) -> RolloutResult:
         """The rollout of `step` (the first of `pending`). One that stopped because every engine
         was down is run again once the fleet is healed and has the current weights, once; an
         engine lost with its node stops the run instead (EngineLost)."""
@@ -255,13 +258,14 @@ class RLRun:
                 self.handoff.to_engines()
                 while len(pending) <= ahead and step + len(pending) < steps:
                     pending.append(self.fleet.manager.generate.remote(step + len(pending)))
-                groups, rollout = self._collect(step, pending)
+                result = self._collect(step, pending)
                 pending.popleft()
                 rollout_seconds = time.perf_counter() - step_start
+                groups, rollout = result.groups, result.metrics
                 rollout["weight_version_lag"] = float(step - oldest_weight_version(groups))
                 batches = train_batches(config, groups, self.trainers.dp_size)
-                if samples is not None:
-                    samples.append(step, groups)  # written while the trainer works
+                if samples is not None:  # written while the trainer works
+                    samples.append(step, groups, unfinished=result.unfinished)
                 self.handoff.to_trainer()
                 train_start = time.perf_counter()
                 train = self.trainers.train_rl(batches)

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slimrl.config.schema import SlimConfig
 from slimrl.data.hf_tokenizer import load_tokenizer
@@ -22,6 +22,9 @@ from slimrl.rollout.front import FleetFront
 from slimrl.utils.gc_tuning import freeze_startup_heap
 from slimrl.utils.hang import register_stack_signal
 from slimrl.utils.net import node_address
+
+if TYPE_CHECKING:
+    from slimrl.rollout.rollout import RolloutResult
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +95,15 @@ class RolloutManager:
     def _run(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
-    def generate(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
+    def generate(self, rollout_id: int) -> RolloutResult:
+        """The rollout of `rollout_id`: its groups, metrics (with the client's failovers) and the
+        groups set aside unfinished."""
         from slimrl.rollout.rollout import run_rollout
 
         self.ctx.rollout_id = rollout_id
         result = self._run(run_rollout(self.ctx, self.source))
-        metrics = dict(result.metrics)
-        metrics["failovers"] = float(self.client.failovers)
-        return result.groups, metrics
+        result.metrics["failovers"] = float(self.client.failovers)
+        return result
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         from slimrl.rollout.rollout import run_rollout

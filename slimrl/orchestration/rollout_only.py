@@ -19,7 +19,7 @@ from slimrl.config.schema import SlimConfig
 from slimrl.data.hf_tokenizer import load_tokenizer
 from slimrl.orchestration.entry import prepare_run_dir, setup_logging
 from slimrl.orchestration.metrics import MetricsWriter, log_due
-from slimrl.orchestration.sample_log import start_samples, write_samples
+from slimrl.orchestration.sample_log import start_samples, write_rollout, write_samples
 from slimrl.preflight.checks import check_run_inputs
 from slimrl.rollout.data_source import DataSource
 
@@ -48,7 +48,7 @@ async def _rollouts(
             ctx.rollout_id = rollout_id
             result = await healed_rollout(ctx, source, fleet)
             if samples_path is not None:
-                write_samples(samples_path, rollout_id, result.groups, "train")
+                write_rollout(samples_path, rollout_id, result.groups, "train", result.unfinished)
             metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
             metrics["rollout/failovers"] = float(ctx.client.failovers)
             metrics["rollout/engine_restarts"] = float(fleet.restarts)

@@ -1,11 +1,15 @@
 """`rollout_samples.jsonl` in the run directory: every sample of every rollout, one JSON object per
 line (its `Sample` fields plus `rollout_id` and `split`; routed experts as dtype and shape only),
-written by `slimrl rollout` and by `slimrl train` when `rollout.save_samples` is on."""
+written by `slimrl rollout` and by `slimrl train` when `rollout.save_samples` is on. The groups a
+rollout set aside unfinished (a failed or aborted sample: a request that failed, an agent that
+raised or timed out) follow with `split` "train/unfinished", each failed sample's reason in
+`metadata["failure"]`: not trained on, but never silently gone."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from typing import Any
 import numpy as np
 
 SAMPLES_FILE = "rollout_samples.jsonl"
+Group = list[Any]
 
 
 def start_samples(run_dir: Path, start_rollout: int = 0) -> Path:
@@ -46,6 +51,15 @@ def write_samples(path: Path, rollout_id: int, groups: list[list[Any]], split: s
         handle.write("".join(lines))
 
 
+def write_rollout(
+    path: Path, rollout_id: int, groups: list[list[Any]], split: str, unfinished: list[list[Any]]
+) -> None:
+    """A rollout's groups, then the ones it set aside unfinished (`<split>/unfinished`)."""
+    write_samples(path, rollout_id, groups, split)
+    if unfinished:
+        write_samples(path, rollout_id, unfinished, f"{split}/unfinished")
+
+
 def _fields(sample: Any) -> dict[str, Any]:
     """`Sample.to_dict()` without its deep copy (3x faster; json.dumps copies anyway). Routed
     experts (routing replay) are logged as their dtype and shape only: the ids themselves would be
@@ -68,10 +82,13 @@ class SampleLog:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-log")
         self._last: Future[None] | None = None
 
-    def append(self, rollout_id: int, groups: list[list[Any]], split: str = "train") -> None:
-        """Queue a rollout; the samples must not change afterwards (the trainer only reads them)."""
+    def append(
+        self, rollout_id: int, groups: list[list[Any]], split: str = "train", unfinished: Sequence[Group] = ()
+    ) -> None:
+        """Queue a rollout (and the groups it set aside unfinished); the samples must not change
+        afterwards (the trainer only reads them)."""
         self._wait()
-        self._last = self._pool.submit(write_samples, self.path, rollout_id, groups, split)
+        self._last = self._pool.submit(write_rollout, self.path, rollout_id, groups, split, list(unfinished))
 
     def _wait(self) -> None:
         if self._last is not None:

@@ -38,7 +38,11 @@ FINISHED = (Status.COMPLETED, Status.TRUNCATED)
 @dataclass
 class RolloutResult:
     groups: list[Group]
+    """What the trainer trains on (every sample finished)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    unfinished: list[Group] = field(default_factory=list)
+    """Groups that ended with a failed or aborted sample, not trained on: the sample log keeps them
+    (`split` "train/unfinished"), each failed sample with its reason in `metadata["failure"]`."""
 
 
 def load_generate_fn(config: Any) -> Callable[..., Any]:
@@ -268,6 +272,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
     runner = _GroupRunner(ctx, evaluation=False)
     keep = load_hook(ctx.config, "filter")
     kept: list[Group] = []
+    unfinished: list[Group] = []
     surplus: list[Group] = []  # finished after the batch was full in the same wake-up
     counts = {"dropped_groups": 0, "unfinished_groups": 0, "buffered_groups": 0, "drawn_groups": 0,
               "finished_reward_sum": 0.0, "finished_samples": 0}  # fmt: skip
@@ -283,7 +288,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if len(kept) < target:
-                    _sort_group(task.result(), keep, ctx, kept, counts)
+                    _sort_group(task.result(), keep, ctx, kept, unfinished, counts)
                 else:
                     surplus.append(task.result())
     except BaseException:
@@ -294,7 +299,7 @@ async def _run_train_rollout(ctx: RolloutContext, source: DataSource, start: flo
     if config.partial_rollout and leftovers:
         counts["buffered_groups"] = _buffer_leftovers(source, leftovers, ctx.rollout_id)
     counts["timeouts"], counts["failed_samples"] = runner.timeouts, runner.failures
-    return RolloutResult(kept, rollout_metrics(kept, time.perf_counter() - start, counts))
+    return RolloutResult(kept, rollout_metrics(kept, time.perf_counter() - start, counts), unfinished)
 
 
 def _may_draw(counts: dict[str, int], target: int, kept: int, waiting: bool) -> bool:
@@ -316,11 +321,13 @@ def _sort_group(
     keep: Callable[..., Any] | None,
     ctx: RolloutContext,
     kept: list[Group],
+    unfinished: list[Group],
     counts: dict[str, float],
 ) -> None:
-    """Keep a finished group that passes the filter; count the others."""
+    """Keep a finished group that passes the filter; set the unfinished ones aside; count both."""
     if not _group_finished(group):
         counts["unfinished_groups"] += 1
+        unfinished.append(group)
         return
     rewards = [scalar_reward(s.reward) for s in group if s.reward is not None]
     counts["finished_reward_sum"] += sum(rewards)  # before the filter: what the policy scores

@@ -41,7 +41,7 @@ from slimrl.rollout.agent.runner import run_agent_sample
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.generate import RolloutContext
-from slimrl.rollout.rollout import run_rollout
+from slimrl.rollout.rollout import rollout_metrics, run_rollout
 from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
@@ -368,6 +368,7 @@ def test_multi_turn_tool_calls_train_on_exactly_the_sampled_tokens(stack: Stack)
     assert in2["routed_experts_start_len"] == len(p1) + len(c1) - 1  # only the rows the sample lacked
     info = sample.metadata["agent"]
     assert info["calls"] == 2 and "splits" not in info
+    assert rollout_metrics([[sample]], 1.0, {})["agent_splits"] == 0.0
 
 
 def test_a_history_editing_agent_gives_separate_samples(stack: Stack) -> None:
@@ -386,6 +387,8 @@ def test_a_history_editing_agent_gives_separate_samples(stack: Stack) -> None:
         assert (np.sort(sample.rollout_routed_experts, -1) == np.sort(expected, -1)).all()
     (split,) = samples[0].metadata["agent"]["splits"]
     assert split["call"] == 1 and "does not extend" in split["reason"]
+    metrics = rollout_metrics([samples], 1.0, {})  # one run, split once: the rollout's metrics say so
+    assert metrics["agent_runs"] == 1.0 and metrics["agent_splits"] == 1.0
 
 
 def test_completions_continue_from_the_sampled_ids(stack: Stack) -> None:

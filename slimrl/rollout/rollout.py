@@ -395,4 +395,15 @@ def rollout_metrics(groups: list[Group], seconds: float, counts: dict[str, Any])
     if reward_sum is not None:  # every finished group's reward, kept or dropped by the filter
         metrics["raw_reward_unfiltered"] = reward_sum / scored if scored else 0.0
     metrics.update({k: float(v) for k, v in counts.items()})
+    metrics.update(_agent_metrics(samples))
     return metrics
+
+
+def _agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Agent runs in these samples, and the turns that started a new sample because they did not
+    extend one (the agent edited its history: `metadata["agent"]["splits"]` says why)."""
+    runs = {s.metadata["agent"]["session"]: s.metadata["agent"] for s in samples if "agent" in s.metadata}
+    if not runs:
+        return {}
+    splits = sum(len(info.get("splits", ())) for info in runs.values())
+    return {"agent_runs": float(len(runs)), "agent_splits": float(splits)}

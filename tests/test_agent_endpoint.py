@@ -371,6 +371,25 @@ def test_multi_turn_tool_calls_train_on_exactly_the_sampled_tokens(stack: Stack)
     assert rollout_metrics([[sample]], 1.0, {})["agent_splits"] == 0.0
 
 
+def test_the_openai_agents_sdk_runs_unchanged_and_trains_on_its_sampled_tokens(stack: Stack) -> None:
+    """The same task written with the OpenAI Agents SDK (`examples/openai_agents_sdk.py`): the SDK's
+    own loop calls the tool and answers, and the sample is that conversation as the engine produced
+    it, token for token the plain-SDK agent's (same messages, same tool schema)."""
+    from examples import openai_agents_sdk
+
+    mark = stack.mark()
+    (sample,) = stack.run_agent(openai_agents_sdk.run_agent)
+    (in1, out1), (in2, out2) = stack.recorder.calls[mark:]  # a tool call, then the answer
+    assert sample.status == Status.COMPLETED and sample.reward == {"score": 1.0, "tool_calls": 1.0}
+    first = in1["input_ids"] + out1["output_ids"]
+    assert in2["input_ids"][: len(first)] == first and sample.tokens == in2["input_ids"] + out2["output_ids"]
+    mask = np.array(sample.loss_mask, dtype=bool)
+    assert np.array(sample.response_tokens)[mask].tolist() == out1["output_ids"] + out2["output_ids"]
+    check_sampled(sample, "test")
+    (plain,) = stack.run_agent(openai_agent.run_agent)
+    assert (sample.tokens, sample.loss_mask) == (plain.tokens, plain.loss_mask)
+
+
 def test_a_history_editing_agent_gives_separate_samples(stack: Stack) -> None:
     mark = stack.mark()
     samples = stack.run_agent(editing_agent)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -45,6 +46,7 @@ from slimrl.rollout.rollout import rollout_metrics, run_rollout
 from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
+from tests.conftest import REPO
 from tests.engines import ENGINES, hf_routing, running_engines
 
 pytestmark = pytest.mark.slow
@@ -613,3 +615,44 @@ def sync_agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
 
 async def two_param_agent(base_url: str, api_key: str) -> float:
     return 1.0
+
+
+ASYNC = ["cluster.colocate=false", "cluster.rollout_gpus=1", "algorithm.async_staleness=1"]
+LAYOUTS = {
+    "colocated": ["cluster.gpus_per_node=1"],
+    "disaggregated_async": ASYNC,  # the next rollout's agents run while the trainer updates
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_training_run_trains_the_agent_on_policy_through_the_rollout_manager(
+    tool_model: Path, tmp_path: Path, layout: str
+) -> None:
+    """`slimrl train` with `rollout.agent_function_path`: the endpoint runs in the rollout manager's
+    event loop under Ray, one engine and one trainer rank, colocated or on their own slots with the
+    next rollout generated during the update; every agent run is a two-call tool conversation
+    scored 1, and the trainer's logprobs of the merged samples (tool results masked) equal the
+    engine's before any update: on-policy through the agent path."""
+    from tests.test_rl_e2e import command, rows
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"prompt": TASK["prompt"], "label": TASK["label"]}) + "\n")
+    cmd = command(
+        tmp_path, "agent", tool_model, data, "rollout.agent_function_path=examples.openai_agent.run_agent",
+        "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.num_steps=2",
+        "train.max_seq_len=1024", "rollout.num_engines=1", "parallel.ep=1", "logging.tensorboard=false",
+        "checkpoint.save_interval=null", *LAYOUTS[layout],
+    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    metrics = rows(tmp_path / "agent")
+    assert [r["step"] for r in metrics] == [1, 2]
+    for r in metrics:
+        assert r["rollout/agent_runs"] == 4.0 and r["rollout/agent_splits"] == 0.0
+        assert r["rollout/raw_reward"] == 1.0 and r["rollout/samples"] == 4.0
+    assert metrics[0]["train/train_rollout_logprob_abs_diff"] < 1e-5  # before any update: exact
+    records = [json.loads(line) for line in (tmp_path / "agent" / "rollout_samples.jsonl").open()]
+    assert len(records) == 8 and {r["split"] for r in records} == {"train"}
+    for record in records:
+        assert record["metadata"]["agent"]["calls"] == 2 and 0 in record["loss_mask"]

@@ -117,7 +117,8 @@ def test_a_rank_stuck_in_a_sync_stops_the_run_with_every_process_s_stacks(tmp_pa
     """Trainer rank 1 stops for good inside the sync after step 1 (the fault point
     `SLIMRL_FAULT_HANG_SYNC`); rank 0 waits for it in a collective. Past the bound the run stops in
     one line naming what each rank waits in, and the stacks of the driver, both trainer ranks and
-    both engines are saved under the run's hang/ directory: rank 0's inside our collectives."""
+    both engines are saved under the run's hang/ directory: rank 0's inside our collectives. The
+    run resumes from step 1's checkpoint with step 1's metrics row, which the stop had cut off."""
     name = "hang"
     cmd = command(
         tmp_path, name, tiny_model("qwen3_moe"), mod_sum_data, "train.num_steps=2",
@@ -146,6 +147,16 @@ def test_a_rank_stuck_in_a_sync_stops_the_run_with_every_process_s_stacks(tmp_pa
     assert "in capture" in stacks["driver"]  # the driver's own, by faulthandler
     assert all("Thread" in stacks[f"engine{i}"] for i in (0, 1))
     assert (tmp_path / name / "checkpoints" / "iter_0000001").is_dir()  # resumable from step 1
+    assert rows(tmp_path / name) == []  # stopped after the save, before step 1's row
+    # Resumed: step 1's row comes back from its checkpoint (as it stood there: no sync metrics), so
+    # metrics.jsonl has every step although the first attempt never wrote it.
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-3000:]
+    first, second = rows(tmp_path / name)
+    assert (first["step"], second["step"]) == (1, 2)
+    assert "train/pg_loss" in first and "rollout/raw_reward" in first
+    assert "perf/weight_sync_seconds" not in first
+    assert "perf/weight_sync_seconds" in second
 
 
 def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
@@ -175,8 +186,10 @@ def test_sigterm_mid_run_then_resume(tmp_path, tiny_model, mod_sum_data):
     final = rows(run_dir)
     assert [r["step"] for r in final] == list(range(1, steps + 1))
     resumed_at = int(again.stderr.split("resumed from", 1)[1].split("(step ", 1)[1].split(")")[0])
-    assert resumed_at in (2, 4) and resumed_at <= len(interrupted)
-    assert final[:resumed_at] == interrupted[:resumed_at]  # the steps before the checkpoint are kept
+    # A SIGTERM between a checkpoint's save and its step's row: the row comes from the checkpoint
+    assert resumed_at in (2, 4) and resumed_at <= len(interrupted) + 1
+    kept = min(resumed_at, len(interrupted))
+    assert final[:kept] == interrupted[:kept]  # the steps before the checkpoint are kept
     # rollout.save_samples: every rollout's samples once, those redone after the resume included
     ids = [json.loads(line)["rollout_id"] for line in (run_dir / "rollout_samples.jsonl").open()]
     assert [ids.count(i) for i in range(steps)] == [16 * 8] * steps and len(ids) == steps * 16 * 8

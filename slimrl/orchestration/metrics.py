@@ -19,6 +19,8 @@ class MetricsWriter:
         self.path = run_dir / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r["step"] <= start_step] if self.path.exists() else []
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.last_step = kept[-1]["step"] if kept else 0
+        """The last step whose row the file holds."""
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:

@@ -113,6 +113,8 @@ class RLRun:
     ) -> None:
         self.config, self.run_dir, self.trainers, self.fleet = config, run_dir, trainers, fleet
         self.handoff, self.check = handoff, check
+        self.resumed_row: dict[str, float] | None = None
+        """The metrics row of the checkpoint's step as it stood at the save (`save`)."""
         self.fingerprints: list[tuple[float, float]] | None = None
         """Each trainer rank's weights fingerprint at the last push."""
         self.weights_moved = False
@@ -176,10 +178,13 @@ class RLRun:
                 f"{named}; {self._resume_hint()}"
             ) from None
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, row: dict[str, float]) -> None:
+        """A checkpoint after `step`, its driver state holding the step's metrics row so far: a run
+        stopped between the save and the row's write (a signal, a hung sync) gets the row back on
+        resume, so metrics.jsonl has every step."""
         import ray
 
-        state = {"step": step, "data": ray.get(self.fleet.manager.state_dict.remote())}
+        state = {"step": step, "data": ray.get(self.fleet.manager.state_dict.remote()), "row": row}
         self.trainers.save_checkpoint(self.ckpt_root, step, state, self.config.checkpoint.keep_last)
 
     def resume(self) -> int:
@@ -199,6 +204,7 @@ class RLRun:
         ray.get(self.fleet.manager.load_state_dict.remote(state["data"]))
         self.sync_weights(state["step"])  # engines started from the HF weights
         logger.info("resumed from %s (step %d)", latest, state["step"])
+        self.resumed_row = state.get("row")
         return int(state["step"])
 
     def _collect(self, step: int, pending: deque) -> RolloutResult:
@@ -249,6 +255,8 @@ class RLRun:
         steps = config.train.num_steps
         start_step = self.resume()
         writer = MetricsWriter(self.run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
+        if start_step and writer.last_step < start_step and self.resumed_row is not None:
+            writer.write(start_step, self.resumed_row)  # the checkpoint's step had no row yet
         samples = SampleLog(self.run_dir, start_step) if config.rollout.save_samples else None
         ahead = config.algorithm.async_staleness
         pending: deque = deque()
@@ -270,8 +278,9 @@ class RLRun:
                 train_start = time.perf_counter()
                 train = self.trainers.train_rl(batches)
                 train_seconds = time.perf_counter() - train_start
-                if self.should_save(step + 1):
-                    self.save(step + 1)
+                if self.should_save(step + 1):  # with the step's row as it stands (no sync or eval yet)
+                    row = self._metrics(rollout, train, [], step_start, rollout_seconds, train_seconds)
+                    self.save(step + 1, row)
                 restarted = self.heal()
                 synced = self.sync_weights(step + 1)
                 metrics = self._metrics(rollout, train, restarted, step_start, rollout_seconds, train_seconds)

@@ -26,6 +26,7 @@ BENCHES = [
     "router",
     "router_start",
     "group_requests",
+    "agent_endpoint",
     "packing",
     "trainer",
     "ppo_critic",

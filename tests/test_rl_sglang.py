@@ -87,9 +87,12 @@ def test_grpo_colocated_tensor_against_real_sglang_survives_a_killed_engine(
         "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac", "train/ppo_kl",
         "train/train_rollout_logprob_abs_diff", "perf/rollout_seconds", "perf/train_seconds",
         "perf/weight_sync_seconds", "perf/step_seconds", "perf/overhead_ratio", "perf/verify_seconds",
-        "verify/probe_logprob_abs_diff", "verify/unchanged_tensors",
+        "verify/probe_tokens", "verify/unchanged_tensors",
     ):  # fmt: skip
         assert all(isinstance(r[key], float) for r in metrics), key
+    # the probe compares its tokens before any router near tie (none: a tie at the first token)
+    compared = [r for r in metrics if r["verify/probe_tokens"]]
+    assert all(isinstance(r["verify/probe_logprob_abs_diff"], float) for r in compared)
     assert metrics[-1]["rollout/engine_restarts"] >= 1 and "is dead: restarting it" in log
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in metrics]
     print("real SGLang, tensor: train/rollout |dlogp| per step", diffs)
@@ -191,21 +194,19 @@ def test_grpo_learns_against_real_sglang_over_disk_keeping_one_version(tmp_path,
 
     versions = sorted(p.name for p in (tmp_path / name / "weight_sync").iterdir())
     assert versions == [f"v{steps}"]  # the start push (v0) and every later one pruned
-    # colocated: released memory, resumed for the update, then the KV cache; a push before step 1,
-    # and one more for an update whose check failed (`verify/retries`: the loop pushes it again,
-    # releasing the KV cache first). One CI run of 30 steps on a loaded machine pushed once more;
-    # the retry is allowed and counted, never silent: the run names it, and so does this test.
-    retries = int(metrics[-1]["verify/retries"])  # cumulative, the start push's included
-    assert retries <= 1 and metrics[-1]["rollout/engine_restarts"] == 0, metrics[-1]
-    if retries:
-        print(
-            "an update failed its check once and passed on the retry, in or before step",
-            next(r["step"] for r in metrics if r["verify/retries"]),
-        )
+    # Every update passed its check at the first push. Two clean clones saw one fail here (a retry,
+    # then at step 22 a stop: "the probe's logprobs differ from the trainer's by 0.000303") while the
+    # engine held the pushed weights: a router near tie in the probe rounded to another expert on
+    # the engine. The probe now compares only tokens before the trainer's first near tie.
+    assert metrics[-1]["verify/retries"] == 0 and metrics[-1]["rollout/engine_restarts"] == 0, metrics[-1]
+    probe_tokens = [int(r["verify/probe_tokens"]) for r in metrics]
+    print("update check: probe tokens compared per step", probe_tokens)
+    assert all(0 <= n <= 15 for n in probe_tokens)
+    # colocated: released memory, resumed for the update, then the KV cache; a push before step 1
     sync = ["release_memory_occupation", "pause_generation", "resume_memory_occupation",
             "update_weights_from_disk", "flush_cache", "resume_memory_occupation",
             "continue_generation"]  # fmt: skip
-    assert control_calls(tmp_path / name / "logs" / "engine0.log") == sync * (steps + 1 + retries)
+    assert control_calls(tmp_path / name / "logs" / "engine0.log") == sync * (steps + 1)
 
 
 def test_a_corrupted_update_is_pushed_again_then_stops_the_run_naming_the_tensor(

@@ -23,8 +23,11 @@ import torch
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.orchestration.train_data import split_for_dp
+from slimrl.orchestration.update_check import probe_tokens
 from slimrl.sample import Sample
 from slimrl.trainer.batch import TrainBatch, collate, collate_packed
+from slimrl.trainer.rank_api import ProbeScore, merged_probe
+from slimrl.trainer.router_margins import ROUTER_TIE
 from slimrl.trainer.routing_replay import check_routing, valid_positions
 from tests.conftest import REPO, run_torchrun
 
@@ -32,15 +35,20 @@ WORKER = REPO / "tests" / "dist" / "replay_worker.py"
 
 
 @contextlib.contextmanager
-def hf_router_topk(forced: np.ndarray | None, seen: list[torch.Tensor]) -> Iterator[None]:
+def hf_router_topk(
+    forced: np.ndarray | None, seen: list[torch.Tensor], scores: list[torch.Tensor] | None = None
+) -> Iterator[None]:
     """While active, the l-th `torch.topk` call of a forward (layer l's router) records its own
-    choice into `seen` and, with `forced` `(tokens, layers, k)`, returns those experts instead."""
+    choice into `seen` (and the probabilities it ranks into `scores`) and, with `forced`
+    `(tokens, layers, k)`, returns those experts instead."""
     real = torch.topk
 
     def topk(values: torch.Tensor, k: int, dim: int = -1, **kwargs):
         own = real(values, k, dim=dim, **kwargs)
         layer = len(seen)
         seen.append(own.indices)
+        if scores is not None:
+            scores.append(values.detach().clone())
         if forced is None:
             return own
         rows = values.shape[0]
@@ -76,6 +84,25 @@ def hf_forced(model, tokens, responses, routings) -> tuple[list[list[float]], fl
     return [logprobs for logprobs, _ in scored], float(np.concatenate(differs).mean())
 
 
+def hf_probe(model, tokens: list[int]) -> tuple[list[float], dict[int, float]]:
+    """The update check's probe under HF's own routing: logprobs of tokens 1 on, and per input
+    position (all but the last) the smallest relative gap between the k-th and (k+1)-th expert
+    probability over the layers, by the definition in `trainer/router_margins.py`."""
+    seen: list[torch.Tensor] = []
+    scores: list[torch.Tensor] = []
+    with torch.no_grad(), hf_router_topk(None, seen, scores):
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:]).unsqueeze(1))[:, 0]
+    k = model.config.num_experts_per_tok
+    margins: dict[int, float] = {}
+    for probs in scores:
+        ranked = probs.float().sort(dim=1, descending=True).values
+        gap = (ranked[:, k - 1] - ranked[:, k]) / ranked[:, 0].abs()  # probabilities: max |p| = top 1
+        for position, value in enumerate(gap[:-1].tolist()):  # the last token has no routing
+            margins[position] = min(value, margins.get(position, value))
+    return logprobs.tolist(), margins
+
+
 @dataclass
 class Case:
     """A batch on one tiny model, its routings, and what HF computes under each."""
@@ -86,6 +113,8 @@ class Case:
     """Per routing: HF fp32 logprobs under it (`engine_bf16`: the bf16 engine's own logprobs)."""
     disagreement: dict[str, float]
     """Per routing: HF's own-choice disagreement under it."""
+    probe: tuple[list[float], dict[int, float]]
+    """HF's score of the update check's probe (`hf_probe`)."""
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +145,19 @@ def cases(tiny_model, tmp_path_factory) -> dict[int, Case]:
         for name in ("permuted", "engine"):
             hf[name], disagreement[name] = hf_forced(model, tokens, responses, routings[name])
         hf["engine_bf16"] = [logprobs for logprobs, _ in engine_scored]
+        probe = probe_tokens(model.config.vocab_size)
         data = {
             "tokens": tokens,
             "response_lengths": responses,
             "rollout_log_probs": hf["permuted"],
+            "probe": probe,
             **routings,
         }
         data_path = tmp_path_factory.mktemp("replay") / f"data{layers}.pt"
         torch.save(data, data_path)
-        out[layers] = Case(path=path, data_path=data_path, hf=hf, disagreement=disagreement)
+        out[layers] = Case(
+            path=path, data_path=data_path, hf=hf, disagreement=disagreement, probe=hf_probe(model, probe)
+        )
     return out
 
 
@@ -189,6 +222,19 @@ def test_replay_matches_own_routing_and_hf_under_forced_routing(
     case = cases[layers]
     same_as_packed = (nproc, overrides, layers) == (1, ["train.max_tokens_per_gpu=40"], 2)
     logprobs, results, metrics = packed if same_as_packed else run_layout(tmp_path, case, nproc, overrides)
+    # The update check's probe (scored first, routers free): HF's logprobs, and every router's
+    # decision margin per position as HF's probabilities give it, merged over the ranks
+    probe = merged_probe(
+        [ProbeScore(r["probe"]["logprobs"], {int(p): m for p, m in r["probe"]["margins"].items()},
+                    r["probe"]["tie_at"]) for r in results]
+    )  # fmt: skip
+    hf_logprobs, hf_margins = case.probe
+    assert probe.logprobs == pytest.approx(hf_logprobs, abs=2e-5)
+    assert sorted(probe.margins) == sorted(hf_margins) == list(range(len(hf_logprobs)))
+    assert [probe.margins[p] for p in sorted(hf_margins)] == pytest.approx(
+        [hf_margins[p] for p in sorted(hf_margins)], abs=1e-5
+    )
+    assert probe.tie_at == min((p for p, m in hf_margins.items() if m < ROUTER_TIE), default=None)
     # (a) replaying the model's own choice changes nothing
     free = [logprobs["free"][str(k)] for k in range(len(logprobs["free"]))]
     assert max_abs_diff(logprobs["replay/own"], free) < 1e-6

@@ -35,6 +35,7 @@ from slimrl.sampled import check_sampled
 from slimrl.trainer.algorithms import overlong_reward
 from slimrl.trainer.algorithms import sample_advantages as estimator
 from slimrl.trainer.batch import PerToken
+from slimrl.trainer.rank_api import ProbeScore
 from slimrl.utils.gc_tuning import freeze_startup_heap
 from slimrl.utils.hang import Hung, with_stacks
 from slimrl.weight_sync.verify import UpdateMismatch
@@ -113,8 +114,6 @@ class RLRun:
     ) -> None:
         self.config, self.run_dir, self.trainers, self.fleet = config, run_dir, trainers, fleet
         self.handoff, self.check = handoff, check
-        self.resumed_row: dict[str, float] | None = None
-        """The metrics row of the checkpoint's step as it stood at the save (`save`)."""
         self.fingerprints: list[tuple[float, float]] | None = None
         """Each trainer rank's weights fingerprint at the last push."""
         self.weights_moved = False
@@ -131,7 +130,7 @@ class RLRun:
         metrics = self._push_verified(version)
         return {**metrics, "perf/weight_sync_seconds": time.perf_counter() - start}
 
-    def _push(self, version: int, probe: bool = False) -> list[float] | None:
+    def _push(self, version: int, probe: bool = False) -> ProbeScore | None:
         """One push, generation paused and the memory handoff around it; with `probe`, the
         trainer's probe logprobs of the weights it pushes (while its parameters are on the
         devices). Generation goes on afterwards: the update check's probe generates. Records
@@ -187,7 +186,9 @@ class RLRun:
         state = {"step": step, "data": ray.get(self.fleet.manager.state_dict.remote()), "row": row}
         self.trainers.save_checkpoint(self.ckpt_root, step, state, self.config.checkpoint.keep_last)
 
-    def resume(self) -> int:
+    def resume(self) -> tuple[int, dict[str, float] | None]:
+        """The step to start from, and (resumed) the metrics row of the checkpoint's step as it
+        stood at the save (`save`)."""
         import ray
 
         latest = latest_checkpoint(self.ckpt_root) if self.config.checkpoint.resume else None
@@ -198,14 +199,13 @@ class RLRun:
             fresh = self.config.model.load or not self.config.model.init_from_hf
             if fresh or self.handoff.release_engines or self.check.armed:
                 self.sync_weights(0)
-            return 0
+            return 0, None
         self.trainers.load_checkpoint(latest)
         state = read_driver_state(latest)
         ray.get(self.fleet.manager.load_state_dict.remote(state["data"]))
         self.sync_weights(state["step"])  # engines started from the HF weights
         logger.info("resumed from %s (step %d)", latest, state["step"])
-        self.resumed_row = state.get("row")
-        return int(state["step"])
+        return int(state["step"]), state.get("row")
 
     def _collect(self, step: int, pending: deque) -> RolloutResult:
         """The rollout of `step` (the first of `pending`). One that stopped because every engine
@@ -253,10 +253,10 @@ class RLRun:
 
         config = self.config
         steps = config.train.num_steps
-        start_step = self.resume()
+        start_step, resumed_row = self.resume()
         writer = MetricsWriter(self.run_dir, tensorboard=config.logging.tensorboard, start_step=start_step)
-        if start_step and writer.last_step < start_step and self.resumed_row is not None:
-            writer.write(start_step, self.resumed_row)  # the checkpoint's step had no row yet
+        if start_step and writer.last_step < start_step and resumed_row is not None:
+            writer.write(start_step, resumed_row)  # the checkpoint's step had no row yet
         samples = SampleLog(self.run_dir, start_step) if config.rollout.save_samples else None
         ahead = config.algorithm.async_staleness
         pending: deque = deque()

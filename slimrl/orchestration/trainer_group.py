@@ -14,7 +14,7 @@ from slimrl.devices.ledger import Ledger
 from slimrl.orchestration.placement import DeviceSlots, trainer_actor_options, trainer_env
 from slimrl.trainer.batch import TrainBatch
 from slimrl.trainer.distributed import RankInfo
-from slimrl.trainer.rank_api import TrainerRank
+from slimrl.trainer.rank_api import ProbeScore, TrainerRank, merged_probe
 from slimrl.utils.gc_tuning import freeze_startup_heap
 from slimrl.utils.hang import Hung, register_stack_signal
 from slimrl.utils.net import free_port, node_address
@@ -133,10 +133,9 @@ class TrainerGroup:
                     merged[key] = value
         return merged
 
-    def probe_logprobs(self, tokens: list[int]) -> list[float]:
-        """The trainer's logprobs of `tokens[1:]` (the update check's probe)."""
-        answers = [a for a in self.run(TrainerRank.probe_logprobs, None, tokens) if a is not None]
-        return answers[0]
+    def probe_logprobs(self, tokens: list[int]) -> ProbeScore:
+        """The trainer's score of the update check's probe `tokens`, every rank's part merged."""
+        return merged_probe(self.run(TrainerRank.probe_logprobs, None, tokens))
 
     def save_checkpoint(self, root: Path, step: int, driver_state: dict[str, Any], keep_last: int) -> Path:
         """All ranks write into a fresh temporary directory; then it is published atomically."""

@@ -7,7 +7,10 @@ After each push, before the engines serve again:
   tensors (per-tensor checksums); the update changed the engines' weights; and a fixed probe
   sequence scores the same on every engine as on the trainer (within
   `rollout.verify_logprob_tolerance`, mean over the probe's tokens), which catches what every
-  engine got wrong alike.
+  engine got wrong alike. MoE: only the tokens before the first position where a router of the
+  trainer nearly tied (`trainer/router_margins.py`) compare: from there on the engine may rightly
+  route otherwise, and a token routed to another expert scores differently without any weight
+  being wrong.
 On a failure the loop pushes once more: `before_retry` snapshots every engine, and `after_retry`
 compares, naming the tensors the second push changed (what the first one got wrong).
 `weight_sync/verify.py` has the rules; this holds the state between updates and times the checks.
@@ -24,6 +27,7 @@ from typing import Any
 from slimrl.config.schema import SlimConfig
 from slimrl.errors import SlimError
 from slimrl.megatron_bridge.archs import read_model_arch
+from slimrl.trainer.rank_api import ProbeScore
 from slimrl.weight_sync.engines import EngineCalls
 from slimrl.weight_sync.verify import (
     EngineChecks,
@@ -81,10 +85,10 @@ class UpdateCheck:
         logger.info("update check: %d engine(s) snapshotted and reset in %.1fs", len(urls), seconds)
 
     def verify(
-        self, urls: Sequence[str], version: int | str, expect_change: bool, expected: list[float] | None
+        self, urls: Sequence[str], version: int | str, expect_change: bool, expected: ProbeScore | None
     ) -> dict[str, float]:
         """Raises UpdateMismatch naming engine and tensor (or probe) when an engine does not hold
-        the update; returns the check's metrics. `expected`: the trainer's logprobs of the probe
+        the update; returns the check's metrics. `expected`: the trainer's score of the probe
         under the weights it pushed (`probe`, tokens 1 on)."""
         if not self.enabled and not self.armed:
             return {}
@@ -100,17 +104,21 @@ class UpdateCheck:
         for url, names in same.items():
             if expect_change and names and len(names) == sum(len(c) for c in sums[url].values()):
                 problems.append((url, f"the update to version {version} changed none of its tensors"))
-        worst, probe_lines = self._probe(urls, expected) if expected is not None else (0.0, [])
+        worst, probe_lines = self._probe(urls, expected.compared) if expected is not None else (None, [])
         problems += probe_lines
         if problems or disagree:
             raise UpdateMismatch("; ".join([*disagree, grouped(problems)] if problems else disagree))
         self.previous = sums
         self.baseline = worst if self.baseline is None else self.baseline
-        return {
+        metrics = {
             "perf/verify_seconds": time.perf_counter() - start,
             "verify/unchanged_tensors": float(max((len(n) for n in same.values()), default=0)),
-            "verify/probe_logprob_abs_diff": worst,
         }
+        if expected is not None:
+            metrics["verify/probe_tokens"] = float(len(expected.compared))
+        if worst is not None:
+            metrics["verify/probe_logprob_abs_diff"] = worst
+        return metrics
 
     def before_retry(self, urls: Sequence[str]) -> None:
         """Before pushing a failed update again: what the engines hold now, to name what differs."""
@@ -145,13 +153,19 @@ class UpdateCheck:
             scored[reply.url] = [t[0] for t in reply.body["meta_info"]["input_token_logprobs"]][1:]
         return scored
 
-    def _probe(self, urls: Sequence[str], expected: list[float]) -> tuple[float, list[tuple[str, str]]]:
-        """The probe's mean |logprob difference| engine vs trainer: the worst, and one line per
-        engine past the limit (an unanswered token, NaN weights' null, counts as infinite)."""
+    def _probe(
+        self, urls: Sequence[str], expected: list[float]
+    ) -> tuple[float | None, list[tuple[str, str]]]:
+        """The probe's mean |logprob difference| engine vs trainer over the `expected` (leading)
+        tokens: the worst, and one line per engine past the limit (an unanswered token, NaN
+        weights' null, counts as infinite). None: a near tie at the first token left none."""
+        if not expected:
+            logger.info("update check: a router nearly tied at the probe's first token: no token compared")
+            return None, []
         limit, setting = self._limit()
         worst, lines = 0.0, []
         for url, logprobs in self.engine_logprobs(urls).items():
-            pairs = zip(logprobs, expected, strict=True)
+            pairs = zip(logprobs[: len(expected)], expected, strict=True)
             diffs = [abs(a - b) if a is not None else math.inf for a, b in pairs]
             mean = sum(diffs) / len(diffs)
             worst = max(worst, mean) if not math.isnan(mean) else math.inf

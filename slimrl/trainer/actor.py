@@ -6,6 +6,7 @@ The driver never imports Megatron: it only calls these methods.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -32,6 +33,7 @@ from slimrl.trainer.hf_export import HF_DIR, save_hf
 from slimrl.trainer.model import TrainState, build_gpt_chunks, build_options, build_train_state, freeze
 from slimrl.trainer.numerics import agreed_first
 from slimrl.trainer.offload import Offloader, _bytes_of, _storages
+from slimrl.trainer.rank_api import ProbeScore
 from slimrl.trainer.step import StepRunner
 from slimrl.trainer.weight_store import WeightStore
 
@@ -163,20 +165,31 @@ class MegatronActor:
         """Per-sample response logprobs under the current weights (last pipeline stage only)."""
         return rl.response_logprobs(self, batch)["logprobs"]
 
-    def probe_logprobs(self, tokens: list[int]) -> list[float] | None:
+    def probe_logprobs(self, tokens: list[int]) -> ProbeScore:
         """Logprobs of `tokens[1:]` under the current weights, the update check's probe: every rank
-        runs it (one sequence per DP rank), the last pipeline stage answers, others None. The
+        runs it (one sequence per DP rank), the last pipeline stage answers the logprobs. The
         routers choose for themselves (no engine routing to replay: the engines are not updated
-        yet when the probe runs)."""
+        yet when the probe runs) and report how close each choice was (`router_margins.py`)."""
+        from slimrl.trainer.router_margins import ROUTER_TIE, RouterMargins
+
         n = len(tokens) - 1
         probe = TrainBatch(tokens=[tokens], response_lengths=[n], loss_masks=[[1] * n])
+        assert self.state is not None
+        margins = RouterMargins(self.state.model, self.layout.sequence_parallel) if self.arch.is_moe else None
         if self.routing is not None:
             self.routing.enabled = False
+        self.runner.margins = margins
         try:
-            return self.response_logprobs(probe).get(0)
+            with margins.recording() if margins is not None else contextlib.nullcontext():
+                logprobs = self.response_logprobs(probe).get(0)
         finally:
+            self.runner.margins = None
             if self.routing is not None:
                 self.routing.enabled = True
+        if margins is None:
+            return ProbeScore(logprobs)
+        ties = [position for position, margin in margins.smallest.items() if margin < ROUTER_TIE]
+        return ProbeScore(logprobs, margins.smallest, min(ties, default=None))
 
     # ---------------------------------------------------------------- weight sync
     def push_weights(

@@ -150,7 +150,7 @@ def check_routing(batch: TrainBatch, arch: ModelArch) -> None:
             )
 
 
-def _router_order(values_BS: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+def router_order(values_BS: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """[B, S, ...] -> this rank's tokens in router order [N, ...]."""
     from megatron.core import parallel_state as mpu
 
@@ -220,8 +220,8 @@ class RoutingReplay:
             return
         if mb.routed_experts_BSLK is None:
             raise SlimError("algorithm.routing_replay=true: a micro-batch arrived without routing")
-        routed_NLK = _router_order(mb.routed_experts_BSLK, self.sequence_parallel)
-        valid_N = _router_order(valid_positions(mb), self.sequence_parallel) if self.measure_next else None
+        routed_NLK = router_order(mb.routed_experts_BSLK, self.sequence_parallel)
+        valid_N = router_order(valid_positions(mb), self.sequence_parallel) if self.measure_next else None
         for index, replay in layers:
             replay.set_target_indices(routed_NLK[:, index].long())
             replay.valid_N = valid_N
@@ -245,10 +245,15 @@ class RoutingReplay:
         return [item for layers in self.routers for item in layers]
 
     def _chunk_index(self, chunk: Any) -> int:
-        inner = chunk
-        while id(inner) not in self._chunk_ids and hasattr(inner, "module"):
-            inner = inner.module  # DDP / Float16Module wrappers
-        return self._chunk_ids.index(id(inner))
+        return chunk_index(self._chunk_ids, chunk)
+
+
+def chunk_index(chunk_ids: list[int], chunk: Any) -> int:
+    """Which of the chunks (by id) `chunk` is, or wraps (DDP / Float16Module)."""
+    inner = chunk
+    while id(inner) not in chunk_ids and hasattr(inner, "module"):
+        inner = inner.module
+    return chunk_ids.index(id(inner))
 
 
 def _upgrade(router: TopKRouter) -> EngineRouting:

@@ -37,6 +37,7 @@ from slimrl.trainer.numerics import NumericsGuard, grad_buffers
 from slimrl.utils import faults
 
 if TYPE_CHECKING:
+    from slimrl.trainer.router_margins import RouterMargins
     from slimrl.trainer.routing_replay import RoutingReplay
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class StepRunner:
         self.options = options
         self.policy = policy
         self.routing = routing
+        self.margins: RouterMargins | None = None
+        """Set while the update check's probe runs: the policy's routers record their margins."""
         self.rank = rank
         self.oom_retries = 0
         self.numerics: dict[int, NumericsGuard] = {}
@@ -174,6 +177,7 @@ class StepRunner:
         # The critic routes on its own; a disabled replay lets the policy's routers choose too.
         routing = self.routing
         replay = routing if model is self.policy.model and routing is not None and routing.enabled else None
+        margins = self.margins if model is self.policy.model else None
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
@@ -181,6 +185,8 @@ class StepRunner:
                 raise torch.OutOfMemoryError(f"injected: micro-batch of {mb.num_tokens} tokens")
             if replay is not None:
                 replay.set_targets(chunk, mb)
+            if margins is not None:
+                margins.set_batch(chunk, mb)
             labels = mb.labels_BS if with_labels else None
             output = chunk(mb.tokens_BS, mb.position_ids_BS, mb.attention_mask, labels=labels)
             return output, partial(loss_fn, mb)

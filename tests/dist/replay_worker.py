@@ -7,7 +7,8 @@ OUT_DIR/rank<k>.json: per routing the replayed response logprobs (`replay/<name>
 disagreement of a scoring pass, the logprobs without replay (`free`), and the metrics of one RL
 step on the `permuted` routing (reference model replaying too, through the KL loss; with
 `algorithm.routing_replay_counterfactual=true` also the mismatch without replay against
-`rollout_log_probs`).
+`rollout_log_probs`). First of all, the update check's probe of DATA's `probe` tokens (`probe`:
+logprobs, router margins by position, first near tie).
 """
 
 import json
@@ -60,6 +61,10 @@ def main() -> None:
     dp, dp_rank = actor.layout.dp, actor.coordinates()["dp"]
     data = torch.load(data_path, weights_only=False)
     result: dict = {"coords": actor.coordinates()}
+    # the update check's probe first: its routers choose for themselves and record their margins,
+    # and routing replay must be back in place for everything below
+    probe = actor.probe_logprobs(data["probe"])
+    result["probe"] = {"logprobs": probe.logprobs, "margins": probe.margins, "tie_at": probe.tie_at}
     for routing in ("own", "permuted", "engine"):
         batch = rank_batch(data, routing, dp, dp_rank)
         actor.routing.measure_next = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import numpy as np
@@ -31,13 +32,14 @@ import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from examples import openai_agent
+from examples import arithmetic_environment, openai_agent
 from slimrl.data.tiny_models import make_tiny
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
 from slimrl.orchestration.sample_log import SampleLog
 from slimrl.preflight import load_config
 from slimrl.rollout.agent.endpoint import AgentEndpoint
+from slimrl.rollout.agent.environment import Step, environment_agent
 from slimrl.rollout.agent.runner import run_agent_sample
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.data_source import DataSource
@@ -392,6 +394,84 @@ def test_the_openai_agents_sdk_runs_unchanged_and_trains_on_its_sampled_tokens(s
     assert (sample.tokens, sample.loss_mask) == (plain.tokens, plain.loss_mask)
 
 
+class TwoTurns:
+    """An environment that records what it was told: a system and a user turn to start, gym's tuple
+    after the first reply, a `Step` with info after the second."""
+
+    actions: ClassVar[list[str]] = []
+
+    def reset(self, task: dict[str, Any]) -> list[dict[str, str]]:
+        TwoTurns.actions = []
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["prompt"]}]
+
+    async def step(self, action: str) -> Any:
+        TwoTurns.actions.append(action)
+        if len(TwoTurns.actions) == 1:
+            return ("Check it once more.", 0.25, False)
+        return Step(reward=0.5, done=True, info={"chars": len(action), "note": "not a number"})
+
+
+def test_an_environment_plays_through_the_endpoint_and_trains_on_the_sampled_tokens(stack: Stack) -> None:
+    """`environment_agent` (the gym shape): the environment gets exactly the text the engine
+    sampled, its observations are the next turns (loss mask 0), the reward is the steps' sum."""
+    mark = stack.mark()
+    (sample,) = stack.run_agent(environment_agent(TwoTurns, max_turns=5))
+    (in1, out1), (in2, out2) = stack.recorder.calls[mark:]  # done after the second reply
+    c1, c2 = out1["output_ids"], out2["output_ids"]
+    decode = stack.tokenizer.decode
+    assert TwoTurns.actions == [decode(c, skip_special_tokens=True) for c in (c1, c2)]
+    # the untrained model may run to max_new_tokens: the sample ends as its last reply did
+    stopped = out2["meta_info"]["finish_reason"]["type"] == "stop"
+    assert sample.status == (Status.COMPLETED if stopped else Status.TRUNCATED)
+    assert sample.reward == {
+        "score": 0.75,
+        "turns": 2.0,
+        "done": 1.0,
+        "chars": float(len(TwoTurns.actions[1])),
+    }
+    first = stack.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TASK["prompt"]}],
+        tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    assert decode(in1["input_ids"]) == first
+    assert in2["input_ids"][: len(in1["input_ids"]) + len(c1)] == in1["input_ids"] + c1
+    mask = np.array(sample.loss_mask, dtype=bool)
+    response = np.array(sample.response_tokens)
+    assert sample.tokens == in2["input_ids"] + c2 and response[mask].tolist() == c1 + c2
+    assert "Check it once more." in decode(response[~mask].tolist())
+    check_sampled(sample, "test")
+
+
+def test_the_example_environment_rewards_only_a_correct_answer(stack: Stack) -> None:
+    """`examples/arithmetic_environment.py`: up to three replies, feedback between; the reward is 1
+    exactly when a reply's last integer is the label (read here from the engine's own output)."""
+    mark = stack.mark()
+    (sample,) = stack.run_agent(arithmetic_environment.run_agent)
+    calls = stack.recorder.calls[mark:]
+    outputs = [stack.tokenizer.decode(out["output_ids"], skip_special_tokens=True) for _, out in calls]
+    correct = [bool(n) and n[-1] == TASK["label"] for n in (re.findall(r"-?\d+", text) for text in outputs)]
+    assert len(outputs) == (correct.index(True) + 1 if any(correct) else 3)
+    stopped = calls[-1][1]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert sample.status == (Status.COMPLETED if stopped else Status.TRUNCATED)
+    assert sample.reward["score"] == float(any(correct))
+    assert sample.reward["turns"] == len(outputs) and sample.reward["tries"] == len(outputs)
+    assert sum(sample.loss_mask) == sum(len(out["output_ids"]) for _, out in calls)
+    check_sampled(sample, "test")
+
+
+class BadReset:
+    def reset(self, task: dict[str, Any]) -> int:
+        return 5
+
+    def step(self, action: str) -> Step:
+        return Step(done=True)
+
+
+class DownReset(BadReset):
+    def reset(self, task: dict[str, Any]) -> int:
+        raise RuntimeError("the simulator is down")
+
+
 def test_a_history_editing_agent_gives_separate_samples(stack: Stack) -> None:
     mark = stack.mark()
     samples = stack.run_agent(editing_agent)
@@ -498,8 +578,10 @@ def test_bad_key_unknown_session_and_malformed_requests_are_openai_errors(stack:
         (blocking_agent, "the agent ran past rollout.agent_timeout_s=1"),
         (silent_agent, "the agent never called the model"),
         (unscored_agent, "the agent returned 'five'"),
+        (environment_agent(DownReset), "the agent raised RuntimeError: the simulator is down"),
+        (environment_agent(BadReset), "the agent raised TypeError: the environment's reset() gave int"),
     ],
-    ids=["raises", "times-out", "never-calls", "no-reward"],
+    ids=["raises", "times-out", "never-calls", "no-reward", "environment-raises", "environment-misbehaves"],
 )
 def test_a_failing_agent_is_a_failed_sample_with_its_reason(stack: Stack, agent: Any, reason: str) -> None:
     started = time.monotonic()

@@ -30,7 +30,7 @@ SGLANG_TIER_MODULES = {
 }  # fmt: skip
 
 
-NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix"}
+NETWORK_HOST_MODULES = {"test_slurm_multinode", "test_transport_matrix", "test_agent_remote"}
 """Modules that build network-namespace hosts: under `-n 2` they take turns (`network_hosts`)."""
 
 MODULE_SECONDS = {

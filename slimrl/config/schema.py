@@ -211,6 +211,10 @@ class RolloutConfig:
     it asked for becomes training tokens exactly as sampled (docs/agentic.md)."""
     agent_timeout_s: float = 600.0
     """An agent run longer than this becomes a failed sample (its session closes)."""
+    agent_endpoint_host: str = "loopback"
+    """Where the agent endpoint listens: `loopback` (127.0.0.1: agents in the rollout's process or
+    on its node) or `node` (the node's cluster address as Ray sees it, loopback not included: an
+    agent that hands `base_url` and the per-run key to a sandbox or service on another host)."""
     agent_tool_call_parser: str = "qwen25"
     """SGLang's tool-call parser for the model's output format (its `--tool-call-parser` names:
     `qwen25`, `hermes`, `llama3`, `deepseekv3`, `kimi_k2`, ...): turns `<tool_call>` text into OpenAI

@@ -42,6 +42,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "rollout.engine": ("embedded", "sglang"),
     "rollout.reward_type": ("toy", "math", "remote", "none"),
     "rollout.weight_sync": ("auto", "tensor", "distributed", "disk"),
+    "rollout.agent_endpoint_host": ("loopback", "node"),
     "rollout.router.policy": ("round_robin", "cache_aware", "power_of_two", "random"),
     "algorithm.loss": ("policy", "sft"),
     "algorithm.advantage_estimator": estimators.names(),

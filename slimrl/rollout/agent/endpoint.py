@@ -1,7 +1,10 @@
 """The OpenAI-compatible endpoint slimrl serves in front of the fleet, one session per agent run.
 
     POST {base_url}/chat/completions      POST {base_url}/completions      GET {base_url}/models
-    base_url = http://127.0.0.1:<port>/sessions/<session id>/v1
+    base_url = http://<host>:<port>/sessions/<session id>/v1
+
+`host`: 127.0.0.1, or the node's cluster address (`rollout.agent_endpoint_host: node`) for agents
+that pass `base_url` and the key on to another host; one address either way, never every interface.
 
 Every request needs `Authorization: Bearer <key>`, the key the endpoint drew at start (one per
 run): a wrong or missing key is 401, an unknown or closed session 404, a malformed request 400,

@@ -37,6 +37,7 @@ from slimrl.rollout.generate import EVALUATING, RolloutContext
 from slimrl.rollout.hooks import load_hook
 from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Sample, Status
+from slimrl.utils.net import node_address
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,15 @@ async def endpoint_for(ctx: RolloutContext) -> AgentEndpoint:
     held = ctx.agent_endpoint
     if held is not None and held[0] is loop:
         return held[1]
+    rollout = ctx.config.rollout
     endpoint = AgentEndpoint(
         ctx.tokenizer,
         ctx.client,
-        tool_call_parser=ctx.config.rollout.agent_tool_call_parser,
+        tool_call_parser=rollout.agent_tool_call_parser,
         context_length=read_model_arch(
             ctx.config.model.hf_checkpoint, ctx.config.model.overrides
         ).max_position_embeddings,
+        host=node_address() if rollout.agent_endpoint_host == "node" else "127.0.0.1",
     )
     await endpoint.start()
     ctx.agent_endpoint = (loop, endpoint)

@@ -11,8 +11,11 @@ per mode: wall seconds (median over the rounds).
 
     python bench/bench_agent_endpoint.py [--calls 64] [--concurrency 1 32] [--max-tokens 16] [--rounds 3]
 
-Prints a JSON table; `generate_vs_endpoint_c<N>` is the baseline's wall time over the endpoint's
-(1.0: the endpoint costs nothing beyond the engine call).
+A third mode sends the same calls as plain HTTP POSTs (no SDK): the endpoint's own cost, without
+the OpenAI SDK's request building and reply parsing (the agent's cost, paid by any agent).
+
+Prints a JSON table; `generate_vs_endpoint_c<N>` (SDK) and `generate_vs_http_c<N>` (plain HTTP) are
+the baseline's wall time over the endpoint's (1.0: the endpoint costs nothing beyond the engine call).
 """
 
 from __future__ import annotations
@@ -65,6 +68,32 @@ async def _endpoint_calls(endpoint: Any, calls: int, concurrency: int, max_token
         return time.perf_counter() - start
 
 
+async def _http_calls(endpoint: Any, calls: int, concurrency: int, max_tokens: int) -> float:
+    """The same calls as plain HTTP POSTs (one aiohttp session, no SDK): the endpoint's own cost,
+    without the OpenAI SDK's request building and reply parsing, which is the agent's."""
+    import aiohttp
+
+    gate_ = asyncio.Semaphore(concurrency)
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": max_tokens}
+    async with aiohttp.ClientSession(headers=headers) as http:
+
+        async def one() -> None:
+            async with gate_:
+                session = endpoint.open_session(dict(GREEDY))
+                try:
+                    url = f"{endpoint.base_url(session)}/chat/completions"
+                    async with http.post(url, json=body) as reply:
+                        reply.raise_for_status()
+                        await reply.json()
+                finally:
+                    endpoint.close_session(session)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(calls)))
+        return time.perf_counter() - start
+
+
 async def _generate_calls(
     client: Any, ids: list[int], calls: int, concurrency: int, max_tokens: int
 ) -> float:
@@ -95,7 +124,8 @@ def main() -> int:
     from slimrl.rollout.agent.endpoint import AgentEndpoint
     from slimrl.rollout.fleet import Fleet
 
-    modes = [f"{m}_c{c}" for c in args.concurrency for m in ("endpoint", "generate")]
+    kinds = ("endpoint", "http", "generate")
+    modes = [f"{m}_c{c}" for c in args.concurrency for m in kinds]
     results: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny("qwen3_moe", Path(tmp) / "qwen3_moe")
@@ -111,11 +141,12 @@ def main() -> int:
                 try:
                     for round_index in range(args.rounds + 1):  # round 0 warms both modes up
                         for concurrency in args.concurrency:
-                            for mode in ("endpoint", "generate"):
+                            for mode in kinds:
+                                shape = (args.calls, concurrency, args.max_tokens)
                                 if mode == "endpoint":
-                                    wall = await _endpoint_calls(
-                                        endpoint, args.calls, concurrency, args.max_tokens
-                                    )
+                                    wall = await _endpoint_calls(endpoint, *shape)
+                                elif mode == "http":
+                                    wall = await _http_calls(endpoint, *shape)
                                 else:
                                     wall = await _generate_calls(
                                         fleet.client, ids, args.calls, concurrency, args.max_tokens
@@ -129,8 +160,9 @@ def main() -> int:
             asyncio.run(measure())
     medians = {mode: statistics.median(values) for mode, values in results.items()}
     ratios = {
-        f"generate_vs_endpoint_c{c}": medians[f"generate_c{c}"] / medians[f"endpoint_c{c}"]
+        f"generate_vs_{mode}_c{c}": medians[f"generate_c{c}"] / medians[f"{mode}_c{c}"]
         for c in args.concurrency
+        for mode in ("endpoint", "http")
     }
     table = {
         "calls": args.calls,
@@ -139,8 +171,9 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "wall_s_median": {mode: round(value, 3) for mode, value in medians.items()},
         "ms_per_call_overhead": {
-            f"c{c}": round(1000 * (medians[f"endpoint_c{c}"] - medians[f"generate_c{c}"]) / args.calls, 2)
+            f"{mode}_c{c}": round(1e3 * (medians[f"{mode}_c{c}"] - medians[f"generate_c{c}"]) / args.calls, 2)
             for c in args.concurrency
+            for mode in ("endpoint", "http")
         },
         **{name: round(value, 3) for name, value in ratios.items()},
     }

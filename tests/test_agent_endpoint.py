@@ -738,3 +738,13 @@ def test_a_training_run_trains_the_agent_on_policy_through_the_rollout_manager(
     assert len(records) == 8 and {r["split"] for r in records} == {"train"}
     for record in records:
         assert record["metadata"]["agent"]["calls"] == 2 and 0 in record["loss_mask"]
+    # staleness per sample: the weight version of every call the agent made (one each here), and
+    # the step's lag from the oldest. Colocated, rollout 1 runs on the update of step 1; async, it
+    # ran while the trainer made that update (version 0, or 1 for calls made after the sync).
+    newest = {"colocated": {"1"}, "disaggregated_async": {"0", "1"}}[layout]
+    for record in records:
+        versions = record["weight_versions"]
+        assert len(versions) == 2 and set(versions) <= ({"0"} if record["rollout_id"] == 0 else newest)
+    for step, r in enumerate(metrics):
+        oldest = min(int(v) for rec in records if rec["rollout_id"] == step for v in rec["weight_versions"])
+        assert r["rollout/weight_version_lag"] == step - oldest

@@ -21,6 +21,9 @@ from pathlib import Path
 from gate import BASELINE, RESULTS_ENV, baseline_from, compare, read_results
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from tests import suite_clock  # noqa: E402  (the suite's time per tier: tests/suite_clock.py)
+
 BENCHES = [
     "engine",
     "router",
@@ -48,6 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=HERE.parent / "runs" / "bench" / "results.jsonl")
     parser.add_argument("--baseline", type=Path, default=BASELINE, help="ratios to hold (committed)")
     parser.add_argument("--write-baseline", action="store_true", help="write --baseline from this run")
+    parser.add_argument(
+        "--suite-times",
+        type=Path,
+        default=suite_clock.SUITE_TIMES,
+        help="the test suite's time per tier (written by `make test`); each tier's latest is gated",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in BENCHES]
     if unknown:
@@ -77,9 +86,23 @@ def run_benches(names: list[str], repeat: int, results: Path) -> list[str]:
     return failed
 
 
+def record_suite(suite_times: Path, results: Path) -> None:
+    """Each tier's latest time from the test suite's runs, as ratios of the `suite` entry."""
+    rows = suite_clock.latest(suite_times)
+    if not rows:
+        print(f"note: no test-suite times in {suite_times} (a passing `make test` writes them)")
+        return
+    for tier, entry in rows.items():
+        units, when = entry["units"], entry["time"]
+        print(f"=== suite tier {tier}: {entry['seconds']:.0f} s = {units:.0f} calibrations ({when})")
+    with results.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"bench": "suite", "ratios": suite_clock.ratios(rows)}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     failed = run_benches(args.names or BENCHES, args.repeat, args.results)
+    record_suite(args.suite_times, args.results)
     runs = read_results(args.results)
     if args.write_baseline:
         args.baseline.write_text(json.dumps(baseline_from(runs), indent=1) + "\n")

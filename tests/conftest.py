@@ -9,10 +9,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests import suite_clock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,6 +25,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+SUITE_CLOCK = pytest.StashKey[tuple[str, float, float]]()
 
 
 SGLANG_TIER_MODULES = {
@@ -83,6 +88,34 @@ MODULE_SECONDS = {
 of session 23, 1762 s of tests, nothing else running): under `-n 2 --dist
 loadfile` (each module one unit of work, so its module fixtures start once) the heaviest modules
 start first, so the two workers end together. A module not listed counts as quick."""
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # xdist workers have it
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A whole tier's run times a fixed workload first (`suite_clock.py`): its time is then gated
+    in those units by `make bench`."""
+    config = session.config
+    tier = suite_clock.tier_of(config.args, config.option.markexpr or "", config.option.keyword or "")
+    if _controller(config) and tier is not None:
+        config.stash[SUITE_CLOCK] = (tier, suite_clock.calibrate(), time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    clock = config.stash.get(SUITE_CLOCK, None)
+    if clock is None or exitstatus != 0:
+        return
+    tier, calibration_s, start = clock
+    workers = getattr(config.option, "numprocesses", None) or 1
+    passed = len(terminalreporter.stats.get("passed", []))
+    entry = suite_clock.row(tier, time.monotonic() - start, calibration_s, passed, int(workers))
+    suite_clock.append(suite_clock.SUITE_TIMES, entry)
+    terminalreporter.write_line(
+        f"suite time: tier {tier}, {entry['seconds']:.0f} s = {entry['units']:.0f} calibrations of "
+        f"{calibration_s:.3f} s ({suite_clock.SUITE_TIMES.relative_to(REPO)}; `make bench` gates it)"
+    )
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

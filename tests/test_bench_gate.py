@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests import suite_clock
 from tests.conftest import PYTHON, REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -66,7 +67,7 @@ def test_every_benchmark_of_make_bench_records_its_ratios():
 def test_the_committed_baseline_gates_what_the_benchmarks_record():
     """Every gated ratio was measured at least 3 times, and its spread is within half the gate."""
     baseline = json.loads(gate.BASELINE.read_text())
-    assert set(baseline) == set(run_all.BENCHES)
+    assert set(baseline) - {"suite"} == set(run_all.BENCHES)  # `suite`: the test tiers' times
     for bench, ratios in baseline.items():
         for name, entry in ratios.items():
             assert entry["runs"] >= 3 and entry["value"] > 0, (bench, name)
@@ -82,7 +83,8 @@ def test_run_all_fails_naming_the_ratio_below_its_baseline(tmp_path):
         json.dumps({"packing": {"packed_efficiency": {"value": 1.5, "noise": 0.0, "runs": 3}}})
     )
     results = tmp_path / "results.jsonl"
-    cmd = [PYTHON, "bench/run_all.py", "packing", "--results", str(results), "--baseline", str(baseline)]
+    cmd = [PYTHON, "bench/run_all.py", "packing", "--results", str(results), "--baseline", str(baseline),
+           "--suite-times", str(tmp_path / "no_suite.jsonl")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
     efficiency = gate.read_results(results)["packing"]["packed_efficiency"]
@@ -91,6 +93,7 @@ def test_run_all_fails_naming_the_ratio_below_its_baseline(tmp_path):
     assert [x for x in proc.stderr.splitlines() if x.startswith("regression:")] == [
         f"{line}{efficiency[0] / 1.5 - 1:+.0%}; the gate is -20%)"
     ]
+    assert "note: no test-suite times in" in proc.stdout
     failures, _ = gate.compare(
         {"packing": {"packed_efficiency": efficiency}}, json.loads(gate.BASELINE.read_text())
     )
@@ -110,3 +113,39 @@ def test_run_all_refuses_bad_input_in_one_line(args, message):
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "markexpr", "keyword", "tier"),
+    [
+        (["tests"], "", "", "all"),
+        (["tests/"], "not slow", "", "fast"),
+        ([], "sglang", "", "sglang"),
+        (["tests/test_config.py"], "", "", None),  # a narrower path
+        (["tests"], "", "resume", None),  # -k
+        (["tests"], "slow and not sglang", "", None),  # not a Makefile tier
+    ],
+)
+def test_only_a_whole_tier_counts_as_the_suites_time(args, markexpr, keyword, tier):
+    assert suite_clock.tier_of(args, markexpr, keyword) == tier
+
+
+def test_a_suite_tier_slower_in_calibration_units_fails_the_gate_in_one_line(tmp_path):
+    """The suite's time per tier in units of a workload timed in the same session: a tier that took
+    30% more calibrations than its baseline fails; the machine being 40% slower that day alone
+    (every time, the calibration's too) does not. The runner turns each tier's latest row into
+    the `suite` ratios and gates them like any benchmark's."""
+    times = tmp_path / "suite.jsonl"
+    quiet = suite_clock.row("all", 1800.0, 1.5, 1500, 2)  # 1200 calibrations
+    suite_clock.append(times, quiet)
+    baseline = {"suite": {"all": {"value": 1000 / 1200, "noise": 0.05, "runs": 3}}}
+    slow_day = suite_clock.row("all", 1800.0 * 1.4, 1.5 * 1.4, 1500, 2)
+    suite_clock.append(times, slow_day)
+    runs = {"suite": {k: [v] for k, v in suite_clock.ratios(suite_clock.latest(times)).items()}}
+    assert gate.compare(runs, baseline) == ([], [])
+    suite_clock.append(times, suite_clock.row("fast", 300.0, 1.5, 900, 2))
+    suite_clock.append(times, suite_clock.row("all", 1800.0 * 1.3, 1.5, 1500, 2))
+    runs = {"suite": {k: [v] for k, v in suite_clock.ratios(suite_clock.latest(times)).items()}}
+    failures, notes = gate.compare(runs, baseline)
+    assert failures == ["bench_suite all: 0.641, baseline 0.8333 (-23%; the gate is -20%)"]
+    assert notes == ["bench_suite fast: 5 (not in the baseline)"]

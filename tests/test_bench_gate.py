@@ -73,6 +73,11 @@ def test_the_committed_baseline_gates_what_the_benchmarks_record():
             assert entry["runs"] >= 3 and entry["value"] > 0, (bench, name)
     gated = [(b, n) for b, r in baseline.items() for n, e in r.items() if e["noise"] <= gate.MAX_NOISE]
     assert len(gated) >= len(baseline), gated  # at least one gated ratio per benchmark on average
+    # the README's count ("are gated: 27 of 38") is the baseline's
+    claim = re.search(r"are gated: (\d+) of (\d+)", (REPO / "README.md").read_text())
+    assert claim is not None
+    total = sum(len(r) for r in baseline.values())
+    assert (int(claim[1]), int(claim[2])) == (len(gated), total)
 
 
 def test_run_all_fails_naming_the_ratio_below_its_baseline(tmp_path):

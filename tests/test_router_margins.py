@@ -12,7 +12,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
 from slimrl.trainer.rank_api import ProbeScore, merged_probe
-from slimrl.trainer.router_margins import MarginProbe, decision_margins
+from slimrl.trainer.router_margins import MarginProbe, RouterMargins, decision_margins
 
 
 def test_margin_is_the_gap_at_the_top_k_boundary_relative_to_the_largest_score():
@@ -88,3 +88,15 @@ def test_ranks_merge_into_the_last_stages_logprobs_and_the_smallest_margins():
     # logprob j comes from positions 0..j: from the tie at position 2 on, none compare
     assert merged.compared == [-1.0, -2.0]
     assert merged_probe([last_stage]).compared == [-1.0, -2.0, -3.0, -4.0]
+
+
+def test_a_router_that_saw_other_tokens_than_the_positions_leaves_the_margins_unknown():
+    """A layout that splits tokens otherwise than the micro-batch says (context parallelism):
+    no margin is attributed to a wrong position; the probe then compares every token."""
+    margins = RouterMargins([], sequence_parallel=False)
+    record = margins._recorder(0)
+    margins.positions_N[0] = torch.tensor([0, 1, 2, -1])
+    record(torch.tensor([0.5, 1e-6, 0.2, 0.0], dtype=torch.float64))
+    assert margins.smallest == {0: 0.5, 1: 1e-6, 2: 0.2} and not margins.unmapped
+    record(torch.tensor([0.5, 0.4], dtype=torch.float64))  # two rows for four positions
+    assert margins.unmapped and margins.smallest == {0: 0.5, 1: 1e-6, 2: 0.2}

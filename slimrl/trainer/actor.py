@@ -61,6 +61,7 @@ class MegatronActor:
         """MoE routing replay of the policy (`algorithm.routing_replay` only)."""
         self.steps_done = 0
         self._runner: StepRunner | None = None
+        self._warned_unmapped = False
 
     # ---------------------------------------------------------------- set-up
     def setup(self, total_steps: int) -> dict[str, Any]:
@@ -186,7 +187,10 @@ class MegatronActor:
             self.runner.margins = None
             if self.routing is not None:
                 self.routing.enabled = True
-        if margins is None:
+        if margins is not None and margins.unmapped and not self._warned_unmapped:
+            self._warned_unmapped = True
+            logger.warning("update check: router margins unknown in this layout: the probe compares all")
+        if margins is None or margins.unmapped:
             return ProbeScore(logprobs)
         ties = [position for position, margin in margins.smallest.items() if margin < ROUTER_TIE]
         return ProbeScore(logprobs, margins.smallest, min(ties, default=None))

@@ -95,15 +95,15 @@ class RouterMargins:
         self.positions_N: dict[int, torch.Tensor] = {}
         """Per chunk index: the position of each token in router order (-1: not a real input)."""
         self.smallest: dict[int, float] = {}
-
-    def __len__(self) -> int:
-        return sum(len(routers) for routers in self.routers)
+        self.unmapped = False
+        """A router saw other tokens than the micro-batch's positions say: its margins are unknown,
+        and the probe compares every token (as before margins existed) rather than guess."""
 
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Every router's `router_replay` slot holds a `MarginProbe` (routing replay's, if any, is
         put back afterwards: the probe's routing is the routers' own)."""
-        self.smallest = {}
+        self.smallest, self.unmapped = {}, False
         saved = []
         for index, routers in enumerate(self.routers):
             for router in routers:
@@ -124,6 +124,9 @@ class RouterMargins:
     def _recorder(self, index: int) -> Callable[[torch.Tensor], None]:
         def record(margins_N: torch.Tensor) -> None:
             positions = self.positions_N[index].tolist()
+            if len(positions) != len(margins_N):  # a layout that splits tokens another way (CP)
+                self.unmapped = True
+                return
             for position, margin in zip(positions, margins_N.tolist(), strict=True):
                 if position >= 0:
                     self.smallest[position] = min(margin, self.smallest.get(position, float("inf")))

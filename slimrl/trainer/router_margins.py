@@ -26,15 +26,12 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from slimrl.trainer.batch import MicroBatch
-from slimrl.trainer.routing_replay import chunk_index, router_order, valid_positions
+from slimrl.trainer.routing_replay import TopK, chunk_index, router_order, valid_positions
 
 ROUTER_TIE = 1e-4
 """A margin under this is a near tie. The CPU engine and trainer (both fp32) differ by about 1e-7
 in a router's scores: 1000x that. On GPUs (bf16) larger differences flip routes too; the probe's
 limit there is set by the first update's difference, which already holds them."""
-
-TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
 
 def decision_margins(scores_NE: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None):
     """[N] relative gap of each row's top-k decision (inf where nothing is left out)."""

@@ -33,6 +33,7 @@ ROUTER_TIE = 1e-4
 in a router's scores: 1000x that. On GPUs (bf16) larger differences flip routes too; the probe's
 limit there is set by the first update's difference, which already holds them."""
 
+
 def decision_margins(scores_NE: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None):
     """[N] relative gap of each row's top-k decision (inf where nothing is left out)."""
     scores_NE = scores_NE.float()

@@ -27,7 +27,7 @@ class ProbeScore:
 
     @property
     def compared(self) -> list[float]:
-        """The logprobs the engines' must match: those computed from positions before any tie."""
+        """The logprobs the engines must match: those computed from positions before any tie."""
         assert self.logprobs is not None
         return self.logprobs if self.tie_at is None else self.logprobs[: self.tie_at]
 

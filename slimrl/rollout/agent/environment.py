@@ -24,10 +24,11 @@ the user's module states both the environment and its turn limit in one line.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from slimrl.rollout.agent.runner import finite_number
 
 Observation = str | list[dict[str, Any]]
 """A user message's text, or chat messages (e.g. a system turn and a user turn)."""
@@ -112,7 +113,7 @@ def step_of(value: Any) -> Step:
             f"the environment's step() gave {type(value).__name__}; expected a slimrl Step or "
             f"(observation, reward, done)"
         )
-    if not _is_number(value.reward) or not math.isfinite(value.reward):
+    if not finite_number(value.reward):
         raise TypeError(f"the environment's step() gave reward {value.reward!r}; expected a finite number")
     return value
 

@@ -152,17 +152,18 @@ def _ended(sample: Sample, status: Status, reason: str, info: dict[str, Any]) ->
     return sample
 
 
-def _finite(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
+    """A real number (not a bool), finite: what a reward must be."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _reward(value: Any) -> tuple[float | dict[str, float], dict[str, Any], str | None]:
     """(reward, the returned dict's other entries, why the value is no reward)."""
-    if _finite(value):
+    if finite_number(value):
         return float(value), {}, None
-    if isinstance(value, dict) and _finite(value.get("score")):
-        parts = {str(k): float(v) for k, v in value.items() if _finite(v)}
-        return parts, {str(k): v for k, v in value.items() if not _finite(v)}, None
+    if isinstance(value, dict) and finite_number(value.get("score")):
+        parts = {str(k): float(v) for k, v in value.items() if finite_number(v)}
+        return parts, {str(k): v for k, v in value.items() if not finite_number(v)}, None
     shown = repr(value)
     shown = shown if len(shown) <= 200 else shown[:200] + "..."
     return 0.0, {}, f"the agent returned {shown}; expected a finite number or a dict with a finite 'score'"

@@ -12,6 +12,7 @@ Hugging Face's router for routed experts, and OpenAI's schemas for the shapes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -40,7 +41,7 @@ from slimrl.orchestration.sample_log import SampleLog
 from slimrl.preflight import load_config
 from slimrl.rollout.agent.endpoint import AgentEndpoint
 from slimrl.rollout.agent.environment import Step, environment_agent
-from slimrl.rollout.agent.runner import run_agent_sample
+from slimrl.rollout.agent.runner import RunClock, close_agents, run_agent_sample, run_in_own_loop
 from slimrl.rollout.client import FleetClient
 from slimrl.rollout.data_source import DataSource
 from slimrl.rollout.generate import RolloutContext
@@ -173,7 +174,7 @@ class Stack:
         self.layout = RoutingLayout.of(read_model_arch(model))
 
     def session(self, **kwargs: Any):
-        return self.endpoint.open_session(GREEDY, routing=True, **kwargs)
+        return self.endpoint.open_session(GREEDY, routing=self.layout, **kwargs)
 
     def client(self, session: Any) -> openai.OpenAI:
         return openai.OpenAI(
@@ -664,7 +665,184 @@ def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> 
         stack.tokenizer.decode(s.tokens) == after_tool + answer + stack.tokenizer.eos_token for s in group
     )
     assert result.metrics["raw_reward"] == 1.0 and result.metrics["failed_samples"] == 0
-    stack.loop.run(ctx.agent_endpoint[1].close())
+    stack.loop.run(close_agents(ctx))
+
+
+# ---------------------------------------------------------------- partial rollout
+PING = {"prompt": "ping", "label": "ping"}
+PARKED_S = 3.0
+"""How long the test keeps a run parked: longer than its agent timeout, which must not count it."""
+engine_url: dict[str, str] = {}
+"""The engine the ping agent watches (set by the test)."""
+
+
+async def parking_agent(base_url: str, api_key: str, task: dict[str, Any]) -> Any:
+    """The example agent, except on the `ping` task: that one waits until the example agent's first
+    model call is at the engine, then asks for one token and is done, which fills the batch (one
+    group) while that call is still generating: the rollout ends and parks the example agent's run.
+    (Its one token comes with its prefill, at the earliest with the other call's first token.)"""
+    if task["label"] != PING["label"]:
+        return await openai_agent.run_agent(base_url, api_key, task)
+    async with (
+        openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client,
+        aiohttp.ClientSession() as http,
+    ):
+        while True:
+            async with http.get(f"{engine_url['url']}/v1/loads") as reply:
+                if sum(load["num_running_reqs"] for load in (await reply.json())["loads"]):
+                    break
+            await asyncio.sleep(0.002)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "ping"}], max_tokens=1
+        )
+    return 1.0
+
+
+def _agent_threads() -> int:
+    return sum(t.name == "slimrl-agent" and t.is_alive() for t in threading.enumerate())
+
+
+def test_partial_rollout_parks_an_agent_run_and_resumes_it_on_new_weights(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Rollout 0 fills its batch while the example agent's first call (the tool call) is at the
+    engine: the run is parked, its call aborted and held, the group buffered. The engine loads the
+    weights again as version 1 and the run stays parked longer than its agent timeout. Rollout 1
+    resumes it: the held call goes on from its prompt + the ids already sampled, and the agent gets
+    one reply. The sample is the uninterrupted conversation token for token (greedy, the same
+    weights), its tool call one turn of two engine requests whose tokens carry the two versions,
+    trained on exactly as sampled, routing equal to Hugging Face's. A run parked when the work
+    ends is cancelled: its session closed, its thread gone."""
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in (TASK, PING)))
+    engine_url["url"] = stack.recorder.engine_url
+    config = _parking_config(
+        stack, data, "rollout.over_sampling_batch_size=2", f"rollout.agent_timeout_s={PARKED_S - 1}"
+    )
+    source, threads = DataSource(config), _agent_threads()
+    ctx = RolloutContext(config, stack.tokenizer, stack.endpoint.client)
+    mark = stack.mark()
+    first = stack.loop.run(run_rollout(ctx, source))
+    assert [g[0].label for g in first.groups] == ["ping"] and first.metrics["buffered_groups"] == 1
+    ((parked,),) = source.buffer
+    assert parked.status == Status.PENDING and parked.metadata["start_rollout_id"] == 0
+    assert parked.metadata["agent_run"] in ctx.agents.runs and parked.tokens == []
+    reload = requests.post(
+        f"{stack.recorder.engine_url}/update_weights_from_disk",
+        json={"model_path": str(stack.model), "weight_version": "1"},
+        timeout=120,
+    )
+    assert reload.status_code == 200 and reload.json()["success"], reload.text
+    time.sleep(PARKED_S)
+    resumed = dataclasses.replace(ctx, config=_parking_config(stack, data), rollout_id=1)  # no over-sampling
+    second = stack.loop.run(run_rollout(resumed, source))
+    ((sample,),) = second.groups
+    assert sample.index == parked.index and sample.status == Status.COMPLETED
+    assert sample.reward == {"score": 1.0, "tool_calls": 1.0}
+    # the engine's requests: the tool call aborted after k tokens, continued from them, the answer
+    calls = [(i, o) for i, o in stack.recorder.calls[mark:] if i["input_ids"] != _ping_ids(stack)]
+    (p1, aborted), (cont, rest), (p2, answer) = calls
+    partial = aborted["output_ids"]
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and partial, "parked before any token"
+    assert cont["input_ids"] == p1["input_ids"] + partial
+    assert cont["sampling_params"]["max_new_tokens"] == openai_agent.MAX_TOKENS - len(partial)
+    assert cont["routed_experts_start_len"] == len(cont["input_ids"]) - 1  # the partial's rows kept
+    c1 = partial + rest["output_ids"]
+    _, tool_call, after_tool, answer_text = _conversation(stack.tokenizer)
+    eos = stack.tokenizer.eos_token
+    assert stack.tokenizer.decode(c1) == tool_call + eos
+    assert stack.tokenizer.decode(sample.tokens) == after_tool + answer_text + eos
+    assert (
+        sample.tokens == p2["input_ids"] + answer["output_ids"]
+        and p2["input_ids"][: len(cont["input_ids"]) + len(rest["output_ids"])]
+        == cont["input_ids"] + rest["output_ids"]
+    )
+    # trained on exactly the sampled tokens, with the engine's logprobs; the tool turn masked
+    mask = np.array(sample.loss_mask, dtype=bool)
+    c2 = answer["output_ids"]
+    assert np.array(sample.response_tokens)[mask].tolist() == c1 + c2
+    between = len(p2["input_ids"]) - len(p1["input_ids"]) - len(c1)
+    assert mask.tolist() == [True] * len(c1) + [False] * between + [True] * len(c2)
+    engine_logprobs = [
+        t[0] for out in (aborted, rest, answer) for t in out["meta_info"]["output_token_logprobs"]
+    ]
+    assert np.array(sample.rollout_log_probs)[mask].tolist() == engine_logprobs
+    # the tool call's tokens carry the versions that sampled them: before the park, then version 1
+    old = aborted["meta_info"]["weight_version"]
+    assert old != "1" and rest["meta_info"]["weight_version"] == answer["meta_info"]["weight_version"] == "1"
+    assert sample.weight_versions == [old, "1", "1"]
+    k = len(partial)
+    assert [(s["start"], s["end"], s["versions"]) for s in sample.sampled_spans] == [
+        (0, k, [old]),
+        (k, len(c1), ["1"]),
+        (len(c1) + between, len(c1) + between + len(c2), ["1"]),
+    ]
+    turns = sample.metadata["agent_sequence"]["turns"]
+    assert turns[0]["version_spans"] == [[k, [old]], [len(c1) - k, ["1"]]] and "version_spans" not in turns[1]
+    check_sampled(sample, "test")
+    np.testing.assert_array_equal(
+        np.sort(sample.rollout_routed_experts, -1), np.sort(hf_routing(stack.model, sample.tokens), -1)
+    )
+    # parked longer than its timeout: the parked time did not count
+    info = sample.metadata["agent"]
+    assert (
+        info["parked"]["times"] == 1
+        and info["parked"]["seconds"] >= PARKED_S > config.rollout.agent_timeout_s
+    )
+    assert sample.metadata["start_rollout_id"] == 0 and "agent_run" not in sample.metadata
+    assert not ctx.agents.runs and second.metrics["agent_runs"] == 1.0
+    # parked at the work's end: cancelled, nothing left behind
+    third = stack.loop.run(run_rollout(dataclasses.replace(ctx, rollout_id=2), source))
+    assert third.metrics["buffered_groups"] == 1
+    (run,) = ctx.agents.runs.values()
+    stack.loop.run(close_agents(ctx))
+    assert run.task.done() and run.session.id not in stack.endpoint.sessions
+    assert ctx.agents is None
+    deadline = time.monotonic() + 10
+    while _agent_threads() > threads:
+        assert time.monotonic() < deadline, "an agent thread outlived close_agents"
+        time.sleep(0.05)
+
+
+async def _sleeper(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+def test_the_agent_timeout_counts_only_the_time_a_run_is_not_parked() -> None:
+    """A run parked for 0.9 s of its 1 s outlives a 0.5 s timeout; the same run never parked does not."""
+
+    async def main() -> tuple[Any, float, float, Any]:
+        clock = RunClock(0.5)
+        clock.pause()
+        asyncio.get_running_loop().call_later(0.9, clock.resume)
+        parked = await run_in_own_loop(_sleeper, (1.0,), clock, asyncio.Event())
+        left = clock.left_s()
+        running = await run_in_own_loop(_sleeper, (1.0,), RunClock(0.5), asyncio.Event())
+        return parked, clock.parked_s, left, running
+
+    parked, parked_s, left, running = asyncio.run(main())
+    assert parked == ("returned", "done") and running == ("timeout", None)
+    assert parked_s >= 0.9 and 0 < left < 0.5
+
+
+def _parking_config(stack: Stack, data: Path, *overrides: str) -> Any:
+    """One group per batch, one run per group (REINFORCE++: no group baseline), greedy, routing
+    replay, partial rollout."""
+    return load_config(None, [
+        f"model.hf_checkpoint={stack.model}", f"data.prompt_data={data}", "cluster.gpus_per_node=1",
+        f"rollout.agent_function_path={__name__}.parking_agent", "rollout.partial_rollout=true",
+        "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=1", "rollout.sampling.temperature=0",
+        "algorithm.routing_replay=true", "algorithm.advantage_estimator=reinforce_plus_plus", *overrides,
+    ])  # fmt: skip
+
+
+def _ping_ids(stack: Stack) -> list[int]:
+    messages = [{"role": "user", "content": "ping"}]
+    return stack.tokenizer.encode(
+        stack.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -672,7 +850,6 @@ def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> 
     [
         (["rollout.custom_generate_function_path=examples.multi_turn_tool_generate.generate"], "generates"),
         (["rollout.custom_rm_path=examples.custom_reward.reward"], "returns the reward"),
-        (["rollout.partial_rollout=true"], "partial_rollout is not supported"),
         (["rollout.agent_tool_call_parser=nosuch"], "not one of SGLang's tool-call parsers"),
         (["rollout.agent_function_path=tests.test_agent_endpoint.sync_agent"], "must be an `async def`"),
         (
@@ -680,7 +857,7 @@ def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> 
             "f(base_url, api_key, task)",
         ),
     ],
-    ids=["custom-generate", "custom-rm", "partial-rollout", "parser", "sync", "signature"],
+    ids=["custom-generate", "custom-rm", "parser", "sync", "signature"],
 )
 def test_the_config_refuses_what_an_agent_cannot_run_with(
     tiny_model, overrides: list[str], needle: str

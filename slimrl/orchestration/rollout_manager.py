@@ -139,6 +139,10 @@ class RolloutManager:
         self.source.load_state_dict(state)
 
     def shutdown(self) -> None:
+        from slimrl.rollout.agent.runner import close_agents
+
+        if self.ctx is not None:
+            self._run(close_agents(self.ctx))  # agent runs parked by the last rollout
         if self.client is not None:
             self._run(self.client.close())
         self.front.stop()

@@ -70,6 +70,9 @@ async def _rollouts(
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        from slimrl.rollout.agent.runner import close_agents
+
+        await close_agents(ctx)  # agent runs parked by the last rollout (partial rollout)
         await ctx.client.close()
 
 

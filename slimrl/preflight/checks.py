@@ -700,8 +700,8 @@ def _check_rewards(config: SlimConfig) -> None:
 
 def _check_agent(config: SlimConfig) -> None:
     """An agent (`rollout.agent_function_path`) is the sample's generate and its reward: it cannot be
-    combined with another generate or reward hook, nor (yet) with partial rollout; its tool-call
-    parser must be one SGLang has."""
+    combined with another generate or reward hook; its tool-call parser must be one SGLang has.
+    (Partial rollout composes with it: runs are parked between rollouts, `rollout/agent/runner.py`.)"""
     rollout = config.rollout
     path = rollout.agent_function_path
     if path is None:
@@ -711,12 +711,6 @@ def _check_agent(config: SlimConfig) -> None:
         if getattr(rollout, other) is not None:
             what = "generates the samples" if other.startswith("custom_generate") else "returns the reward"
             raise ConfigError(f"{key}: the agent {what}; remove rollout.{other}")
-    if rollout.partial_rollout:
-        raise ConfigError(
-            f"{key}: rollout.partial_rollout is not supported with an agent yet (a paused agent session "
-            "cannot resume); set it to false"
-        )
-
     try:
         parsers = tool_call_parsers()
     except ImportError as exc:

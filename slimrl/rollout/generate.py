@@ -51,8 +51,9 @@ class RolloutContext:
     tokenizer: Any
     client: FleetClient
     rollout_id: int = 0
-    agent_endpoint: Any = field(default=None, repr=False)
-    """(event loop, `rollout.agent.endpoint.AgentEndpoint`) of agent runs, started by the first one."""
+    agents: Any = field(default=None, repr=False)
+    """`rollout.agent.runner.Agents`: the endpoint of agent runs (started by the first one) and the
+    runs in it, running or parked between rollouts (partial rollout)."""
     _prompt_ids: OrderedDict[str, list[int]] = field(default_factory=OrderedDict, repr=False)
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:

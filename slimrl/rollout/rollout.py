@@ -1,7 +1,8 @@
 """The default rollout: draw prompt groups, generate `n_samples_per_prompt` responses each with
 bounded concurrency, score them, keep groups that pass the dynamic-sampling filter until the batch
 is full, then abort what is still running (with `rollout.partial_rollout` the leftover groups go
-back to the buffer with their partial tokens and are continued by a later rollout). A custom loop
+back to the buffer with their partial tokens and are continued by a later rollout; an agent's runs
+are parked instead, their calls held, and resumed by a later rollout: `agent/runner.py`). A custom loop
 (`rollout.rollout_function_path`) replaces all of this:
 
     async def rollout(ctx: RolloutContext, data_source: DataSource, evaluation: bool) -> list[list[Sample]]
@@ -20,6 +21,7 @@ from typing import Any
 
 from slimrl.errors import SlimError
 from slimrl.rollout.agent.runner import generate as agent_generate
+from slimrl.rollout.agent.runner import park_agent_runs
 from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, RequestTimedOut
 from slimrl.rollout.data_source import DataSource, Group
 from slimrl.rollout.generate import EVALUATING, RolloutContext, apply_response, generate, sampling_params_for
@@ -81,6 +83,8 @@ class _GroupRunner:
         """Held while a batch takes its slots one by one: two batches never hold half each."""
         self.batched = ctx.config.rollout.group_requests and self.generate is generate
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
+        self.parks_agents = ctx.config.rollout.partial_rollout and self.generate is agent_generate
+        """At the end, the agent runs still going are parked for the next rollout, not aborted."""
         self.stopping = False
         self.timeouts = 0
         self.failures = 0
@@ -211,9 +215,12 @@ class _GroupRunner:
         return done
 
     async def stop(self, pending: set[asyncio.Task]) -> None:
-        """Abort this rollout's requests and wait until every pending group has returned."""
+        """Abort this rollout's requests and wait until every pending group has returned (with its
+        agent runs parked, under partial rollout)."""
         self.stopping = True
         while pending:
+            if self.parks_agents:  # before the abort: the aborted calls are held, not failed
+                park_agent_runs(self.ctx, self.rid_prefix)
             await self.ctx.client.abort(self.rid_prefix)
             _, pending = await asyncio.wait(pending, timeout=REABORT_INTERVAL_S)
 

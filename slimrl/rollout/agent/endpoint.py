@@ -27,11 +27,21 @@ aborting the session's requests ends the session: the call gets a 503, later cal
 agent's sample is aborted (timeout, abort) or failed. A fleet that is down altogether is kept to
 stop the whole rollout (`Session.fatal`). An engine's 4xx answer is the request's fault: a 400 to the
 agent, and the session goes on.
+
+**Parked sessions** (partial rollout). A session the rollout parks at its end (`Session.park`)
+holds its calls instead of ending: a call its rollout aborts keeps what it sampled, and a call
+made while parked waits before reaching an engine; to the agent, a slow reply. Resumed by the next
+rollout (`Session.resume`, under that rollout's request ids), each held call goes on: an aborted
+one from its prompt + the ids already sampled (routing rows from its last token on when it holds
+the rows of every token it fed), and returns one completion, one turn (`trajectory.joined`) whose
+tokens carry the weight versions that sampled them. A held call whose agent hung up is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import hmac
 import json
 import logging
@@ -47,8 +57,9 @@ from slimrl.errors import SlimError
 from slimrl.rollout.agent import openai_api as api
 from slimrl.rollout.agent.chat import ChatFormat, message_key, normalize_messages, tools_key
 from slimrl.rollout.agent.openai_api import ApiError
-from slimrl.rollout.agent.trajectory import Turn, turn_from_response
+from slimrl.rollout.agent.trajectory import Turn, joined, turn_from_response
 from slimrl.rollout.client import FleetClient, FleetDown, NoEngineAvailable, RequestTimedOut
+from slimrl.rollout.routing import RoutingLayout
 from slimrl.sample import Status
 from slimrl.utils.net import listening_socket
 
@@ -72,14 +83,41 @@ class _Reply:
     """`message_key` of the assistant message returned (chat); the text fed and returned (completion)."""
 
 
+@dataclass(frozen=True)
+class _EngineCall:
+    """One choice of one call, as its engine requests are made (again, after a park)."""
+
+    request: web.Request
+    session: Session
+    call: int
+    choice: int
+    sampling: dict[str, Any]
+    top_logprobs: int | None
+
+
+def _ended_error(reason: str) -> ApiError:
+    return ApiError(503, f"The session ended: {reason}", type="server_error", code="session_ended")
+
+
+def _holds_rows(session: Session, turn: Turn) -> bool:
+    """Whether an aborted turn's routed experts cover every token it fed (not so when it was
+    aborted before its prefill ran): then a continuation asks only for the rows after them."""
+    layout = session.routing
+    if layout is None or turn.routing is None or not turn.completion_ids:
+        return False
+    rows = len(turn.ids) - 1 - turn.routing_start
+    return layout.fits(len(base64.b64decode(turn.routing)) // 4, rows)
+
+
 @dataclass
 class Session:
     id: str
     sampling: dict[str, Any]
     """`/generate` sampling parameters every call starts from."""
     rid_prefix: str
-    routing: bool = False
-    """Ask the engines for routed experts (routing replay)."""
+    """Of every engine request the session makes; a resumed session takes the new rollout's."""
+    routing: RoutingLayout | None = None
+    """Ask the engines for routed experts (routing replay), of this layout."""
     max_seq_len: int | None = None
     turns: list[Turn] = field(default_factory=list)
     replies: list[_Reply] = field(default_factory=list)
@@ -96,6 +134,18 @@ class Session:
     fatal: BaseException | None = None
     """An error that must stop the whole rollout (every engine down)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    parked: bool = False
+    """Held between rollouts (partial rollout): no call reaches an engine until `resume`."""
+    parks: int = 0
+    in_flight: int = 0
+    """Engine requests of the session not answered yet."""
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set unless parked: held calls wait on it."""
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once parked with no request at an engine: the rollout may end."""
+
+    def __post_init__(self) -> None:
+        self.running.set()
 
     def record(self, turn: Turn, reply: _Reply) -> None:
         self.turns.append(turn)
@@ -106,6 +156,29 @@ class Session:
             self.status, self.reason = status, reason
         self.fatal = self.fatal or fatal
         self.ended.set()
+        self.running.set()  # held calls wake up and answer that the session ended
+
+    def park(self) -> None:
+        """Hold the session's calls: those in flight are aborted by the rollout and kept."""
+        if not self.parked:
+            self.parked, self.parks = True, self.parks + 1
+            self.running.clear()
+            self._settle()
+
+    def resume(self, rid_prefix: str) -> None:
+        """Release the held calls, their engine requests under `rid_prefix` from now on."""
+        self.rid_prefix, self.parked = rid_prefix, False
+        self.settled.clear()
+        self.running.set()
+
+    def sent(self, change: int) -> None:
+        """An engine request went out (+1) or came back (-1)."""
+        self.in_flight += change
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.parked and not self.in_flight:
+            self.settled.set()
 
 
 class AgentEndpoint:
@@ -155,7 +228,7 @@ class AgentEndpoint:
         self,
         sampling: dict[str, Any],
         rid_prefix: str | None = None,
-        routing: bool = False,
+        routing: RoutingLayout | None = None,
         max_seq_len: int | None = None,
     ) -> Session:
         sid = uuid.uuid4().hex
@@ -220,7 +293,7 @@ class AgentEndpoint:
         keys = [message_key(m) for m in messages]
         tkey = tools_key(req.tools)
         prompt, parent = self._chat_prompt(session, messages, keys, req.tools, tkey)
-        turns = await self._generate(session, req, prompt, parent)
+        turns = await self._generate(request, session, req, prompt, parent)
         choices, completion_tokens = [], 0
         for turn in turns:
             text, finish = self._text(turn)
@@ -250,7 +323,7 @@ class AgentEndpoint:
         session = self._session(request)
         req = api.parse_completion(await self._body(request))
         prompt, parent, prompt_text = self._completion_prompt(session, req.prompt)
-        turns = await self._generate(session, req, prompt, parent)
+        turns = await self._generate(request, session, req, prompt, parent)
         choices, completion_tokens = [], 0
         for turn in turns:
             text, finish = self._text(turn)
@@ -339,7 +412,12 @@ class AgentEndpoint:
         return min(v for v in limits if v is not None)
 
     async def _generate(
-        self, session: Session, req: api.Common, prompt: list[int], parent: Turn | None
+        self,
+        request: web.Request,
+        session: Session,
+        req: api.Common,
+        prompt: list[int],
+        parent: Turn | None,
     ) -> list[Turn]:
         if not prompt:
             raise ApiError(400, "The prompt is empty.", param="messages")
@@ -368,19 +446,11 @@ class AgentEndpoint:
             if base_seed is not None:
                 sampling["sampling_seed"] = (base_seed + SEED_STRIDE * (call * api.MAX_N + choice)) % 2**63
             start = len(parent.ids) - 1 if continues and choice == 0 and parent is not None else 0
-            extra: dict[str, Any] = {}
-            if session.routing:
-                extra.update(return_routed_experts=True, routed_experts_start_len=start)
-            if req.top_logprobs:
-                extra["top_logprobs_num"] = req.top_logprobs
-            response = await self.client.generate(
-                input_ids=prompt,
-                sampling_params=sampling,
-                return_logprob=True,
-                rid=f"{session.rid_prefix}c{call}-{choice}",
-                **extra,
-            )
-            return turn_from_response(call, choice, prompt, response, start)
+            engine_call = _EngineCall(request, session, call, choice, sampling, req.top_logprobs)
+            turn = await self._send(engine_call, prompt, start)
+            while turn.finish_reason == "abort" and session.parked:  # the rollout ended: held
+                turn = await self._continue(engine_call, turn)
+            return turn
 
         try:
             turns = list(await asyncio.gather(*(one(i) for i in range(req.n))))
@@ -396,12 +466,59 @@ class AgentEndpoint:
             raise self._ended(session, Status.ABORTED, "the rollout aborted the session's model calls")
         return turns
 
+    async def _send(self, engine_call: _EngineCall, ids: list[int], start: int) -> Turn:
+        """One engine request of a call, once the session runs (held while it is parked)."""
+        session = engine_call.session
+        await self._until_running(engine_call)
+        extra: dict[str, Any] = {}
+        if session.routing is not None:
+            extra.update(return_routed_experts=True, routed_experts_start_len=start)
+        if engine_call.top_logprobs:
+            extra["top_logprobs_num"] = engine_call.top_logprobs
+        session.sent(1)
+        try:
+            response = await self.client.generate(
+                input_ids=ids,
+                sampling_params=engine_call.sampling,
+                return_logprob=True,
+                rid=f"{session.rid_prefix}c{engine_call.call}-{engine_call.choice}",
+                **extra,
+            )
+        finally:
+            session.sent(-1)
+        return turn_from_response(engine_call.call, engine_call.choice, ids, response, start)
+
+    async def _continue(self, engine_call: _EngineCall, partial: Turn) -> Turn:
+        """A call its rollout aborted, continued from its prompt + the ids it sampled (on the next
+        rollout's weights once the session is resumed): one turn of both."""
+        left = engine_call.sampling["max_new_tokens"] - len(partial.completion_ids)
+        if left <= 0:
+            return dataclasses.replace(partial, finish_reason="length")
+        start = len(partial.ids) - 1 if _holds_rows(engine_call.session, partial) else partial.routing_start
+        sampling = {**engine_call.sampling, "max_new_tokens": left}
+        rest = await self._send(dataclasses.replace(engine_call, sampling=sampling), partial.ids, start)
+        return joined(partial, rest)
+
+    @staticmethod
+    async def _until_running(engine_call: _EngineCall) -> None:
+        """Wait while the session is parked; a session that ended meanwhile, or an agent that hung up
+        on a held call, gets no engine request."""
+        session = engine_call.session
+        if session.running.is_set():
+            return
+        await session.running.wait()
+        if session.status is not None:
+            raise _ended_error(session.reason)
+        transport = engine_call.request.transport
+        if transport is None or transport.is_closing():
+            raise ApiError(503, "The agent hung up while its call was held.", type="server_error", code=None)
+
     def _ended(
         self, session: Session, status: Status, reason: str, fatal: BaseException | None = None
     ) -> ApiError:
         session.end(status, reason, fatal)
         self.close_session(session, reason)
-        return ApiError(503, f"The session ended: {reason}", type="server_error", code="session_ended")
+        return _ended_error(reason)
 
     # ---------------------------------------------------------------- replies
     def _text(self, turn: Turn) -> tuple[str, str]:

@@ -3,7 +3,10 @@ the training samples built from them.
 
 A `Turn` is one completion of one call (a call with `n` choices has `n` turns): the exact prompt
 ids sent to the engine, the ids the engine returned (`output_ids`), their logprobs, the finish
-reason, the weight versions and, under routing replay, the routed experts.
+reason, the weight versions and, under routing replay, the routed experts. A call parked at a
+rollout's end (partial rollout) and continued by the next one is still one turn (`joined`): its
+completion comes from two engine requests, each token recorded with the weight version that
+sampled it (`version_spans`).
 
 **Merging.** Turns are taken in call order. A turn whose prompt ids start with all the ids of an
 earlier sequence (prompt + completions + what came between) extends it: the ids between (template,
@@ -20,6 +23,7 @@ lie in the sample where the merge put them; a failure is a bug, one line naming 
 
 from __future__ import annotations
 
+import base64
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +53,9 @@ class Turn:
     matched: int | str | None = None
     """What a `stop` matched: a stop token id (the last completion id) or a stop string."""
     weight_versions: list[str] = field(default_factory=list)
+    version_spans: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(completion tokens, weight versions) of each engine request the completion came from, in
+    order: one, unless the call was parked at a rollout's end and continued on new weights."""
     routing: str | None = None
     """`meta_info.routed_experts` as returned (base64 int32), rows from `routing_start` on."""
     routing_start: int = 0
@@ -61,13 +68,16 @@ class Turn:
 
     def record(self) -> dict[str, Any]:
         """What the sample log keeps of the turn."""
-        return {
+        record = {
             "call": self.call,
             "choice": self.choice,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.completion_ids),
             "finish_reason": self.finish_reason,
         }
+        if len(self.version_spans) > 1:  # continued after a park: tokens per weight version
+            record["version_spans"] = [[n, list(v)] for n, v in self.version_spans]
+        return record
 
 
 def turn_from_response(
@@ -83,6 +93,7 @@ def turn_from_response(
             f"call {call}: the engine's output_ids and output_token_logprobs name different tokens "
             f"({len(ids)} ids, {len(triples)} logprobs)"
         )
+    versions = turn_weight_versions(meta)
     return Turn(
         call=call,
         choice=choice,
@@ -91,10 +102,45 @@ def turn_from_response(
         logprobs=[float(t[0]) for t in triples],
         finish_reason=finish.get("type", "abort"),
         matched=finish.get("matched") if isinstance(finish.get("matched"), int | str) else None,
-        weight_versions=turn_weight_versions(meta),
+        weight_versions=versions,
+        version_spans=[(len(ids), versions)],
         routing=meta.get("routed_experts"),
         routing_start=start,
         top_logprobs=meta.get("output_top_logprobs"),
+    )
+
+
+def joined(partial: Turn, rest: Turn) -> Turn:
+    """One turn from a call aborted at a rollout's end (`partial`) and its continuation (`rest`,
+    whose prompt is the partial turn's prompt + completion): the completion is both, each part with
+    its own weight versions. The routed experts: the partial turn's rows and then the rest's when
+    the continuation asked from the partial's last token on (the partial's rows covered every token
+    it fed), else the rest's alone (it asked again from the partial's start)."""
+    if rest.prompt_ids != partial.ids:
+        raise SlimError(f"call {partial.call}: a continuation must be fed the partial turn's ids")
+    routing, start = rest.routing, rest.routing_start
+    stitched = rest.routing_start > partial.routing_start
+    if stitched and partial.routing is not None and rest.routing is not None:
+        raw = base64.b64decode(partial.routing) + base64.b64decode(rest.routing)
+        routing = base64.b64encode(raw).decode()
+        start = partial.routing_start
+    spans = [span for span in (*partial.version_spans, *rest.version_spans) if span[0]] or rest.version_spans
+    tops = None
+    if partial.top_logprobs is not None and rest.top_logprobs is not None:
+        tops = [*partial.top_logprobs, *rest.top_logprobs]
+    return Turn(
+        call=partial.call,
+        choice=partial.choice,
+        prompt_ids=list(partial.prompt_ids),
+        completion_ids=[*partial.completion_ids, *rest.completion_ids],
+        logprobs=[*partial.logprobs, *rest.logprobs],
+        finish_reason=rest.finish_reason,
+        matched=rest.matched,
+        weight_versions=[v for _, versions in spans for v in versions],
+        version_spans=spans,
+        routing=routing,
+        routing_start=start,
+        top_logprobs=tops,
     )
 
 
@@ -175,7 +221,11 @@ def _append(sequence: _Sequence, turn: Turn, layout: RoutingLayout | None) -> No
     held = len(sample.tokens)
     between = turn.prompt_ids[held:]
     start = sample.response_length + len(between)
-    record_span(sample, start, turn.completion_ids, turn.weight_versions)
+    at = 0
+    spans = turn.version_spans or [(len(turn.completion_ids), turn.weight_versions)]
+    for count, versions in spans:  # one span per engine request, with its versions
+        record_span(sample, start + at, turn.completion_ids[at : at + count], versions)
+        at += count
     sample.tokens = [*sample.tokens, *between, *turn.completion_ids]
     sample.response_length = start + len(turn.completion_ids)
     sample.loss_mask = [*(sample.loss_mask or []), *[0] * len(between), *[1] * len(turn.completion_ids)]

@@ -83,7 +83,9 @@ class _GroupRunner:
         """Held while a batch takes its slots one by one: two batches never hold half each."""
         self.batched = ctx.config.rollout.group_requests and self.generate is generate
         self.rid_prefix = f"r{uuid.uuid4().hex[:8]}-"
-        self.parks_agents = ctx.config.rollout.partial_rollout and self.generate is agent_generate
+        self.parks_agents = (
+            ctx.config.rollout.partial_rollout and not evaluation and self.generate is agent_generate
+        )
         """At the end, the agent runs still going are parked for the next rollout, not aborted."""
         self.stopping = False
         self.timeouts = 0

@@ -199,7 +199,7 @@ async def close_agents(ctx: RolloutContext) -> None:
     runs = list(agents.runs.values())
     agents.runs.clear()
     for run in runs:
-        run.session.end(Status.ABORTED, "the run ended while the agent was parked")
+        run.session.end(Status.ABORTED, "the run ended before the agent did")
     await asyncio.gather(*(run.task for run in runs), return_exceptions=True)
     await agents.endpoint.close()
 

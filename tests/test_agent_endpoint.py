@@ -804,6 +804,48 @@ def test_partial_rollout_parks_an_agent_run_and_resumes_it_on_new_weights(
         time.sleep(0.05)
 
 
+async def _in_loop(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def test_a_call_made_while_parked_waits_and_one_whose_agent_hung_up_is_dropped(stack: Stack) -> None:
+    """A parked session's new call reaches no engine until the session is resumed, then is answered;
+    a held call whose agent hung up meanwhile (its HTTP timeout) is never sent."""
+    session = stack.session()
+    url = f"{stack.endpoint.base_url(session)}/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    headers = {"Authorization": f"Bearer {stack.endpoint.api_key}"}
+    mark = stack.mark()
+    stack.loop.run(_in_loop(session.park))
+    with pytest.raises(requests.exceptions.Timeout):
+        requests.post(url, json=body, headers=headers, timeout=0.5)  # the agent gives up
+    waiting = Background(lambda: requests.post(url, json=body, headers=headers, timeout=60))
+    time.sleep(0.5)
+    assert stack.mark() == mark and not session.turns  # both held
+    stack.loop.run(_in_loop(session.resume, "resumed-"))
+    reply = waiting.join()
+    assert reply.status_code == 200, reply.text
+    ((request, answer),) = stack.recorder.calls[mark:]  # the hung-up call was dropped
+    assert request["rid"].startswith("resumed-") and len(session.turns) == 1
+    assert reply.json()["usage"]["completion_tokens"] == len(answer["output_ids"])
+
+
+class Background:
+    """A blocking call on a thread of its own."""
+
+    def __init__(self, fn: Any) -> None:
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Any) -> None:
+        self.result = fn()
+
+    def join(self, timeout: float = 60) -> Any:
+        self.thread.join(timeout)
+        return self.result
+
+
 async def _sleeper(seconds: float) -> str:
     await asyncio.sleep(seconds)
     return "done"

@@ -34,6 +34,8 @@ from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from examples import arithmetic_environment, openai_agent
+from slimrl.data.prompts import PromptRecord
+from slimrl.data.sft import sft_sample
 from slimrl.data.tiny_models import make_tiny
 from slimrl.errors import ConfigError
 from slimrl.megatron_bridge.archs import read_model_arch
@@ -665,6 +667,20 @@ def test_the_rollout_runs_the_agent_per_sample(stack: Stack, tmp_path: Path) -> 
         stack.tokenizer.decode(s.tokens) == after_tool + answer + stack.tokenizer.eos_token for s in group
     )
     assert result.metrics["raw_reward"] == 1.0 and result.metrics["failed_samples"] == 0
+    # The same conversation as an SFT record in OpenAI's message format (a warm start's data) is
+    # the same training sequence: the same ids, the same response and the same loss mask.
+    call = {"id": "x", "type": "function", "function": {"name": "add", "arguments": json.dumps(ARGUMENTS)}}
+    messages = [
+        *openai_agent.first_messages(TASK),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "x", "content": str(openai_agent.add(**ARGUMENTS))},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    record = PromptRecord(prompt=messages, label=None, metadata={}, tools=openai_agent.TOOLS)
+    sft = sft_sample(stack.tokenizer, record, apply_chat_template=True)
+    for s in group:
+        assert sft.tokens == s.tokens and sft.response_length == s.response_length
+        assert sft.loss_mask == s.loss_mask
     stack.loop.run(close_agents(ctx))
 
 

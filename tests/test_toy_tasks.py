@@ -20,11 +20,11 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _expected_label(task: str, prompt: str) -> str:
     """Recompute the answer from the prompt text alone, checking the operand ranges on the way."""
-    if task in ("mod_sum", "add"):
+    if task in ("mod_sum", "add", "tool_sum"):
         a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", prompt).groups())
-        limit = 9 if task == "mod_sum" else 99
-        assert 0 <= a <= limit and 0 <= b <= limit
-        return str((a + b) % 10) if task == "mod_sum" else str(a + b)
+        low, high = {"mod_sum": (0, 9), "add": (0, 99), "tool_sum": (10, 99)}[task]
+        assert low <= a <= high and low <= b <= high
+        return str(a + b) if task == "add" else str((a + b) % 10)
     if task == "reverse":
         (digits,) = re.fullmatch(r"rev (\d{3})=", prompt).groups()
         return digits[::-1]
@@ -37,7 +37,36 @@ def _expected_label(task: str, prompt: str) -> str:
     return str(value)
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+def _expected_conversation(record: dict) -> list[dict]:
+    """A tool_sum_sft record's messages, worked out from its user turn alone."""
+    (user, *_) = record["prompt"]
+    a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", user["content"]).groups())
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})},
+    }
+    return [
+        user,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
+        {"role": "assistant", "content": str((a + b) % 10)},
+    ]
+
+
+def test_tool_sum_sft_is_whole_tool_conversations_with_the_agents_tool(tmp_path: Path) -> None:
+    from examples import openai_agent
+
+    records = _read_jsonl(make_data("tool_sum_sft", tmp_path / "c.jsonl", num_samples=200, seed=3))
+    for record in records:
+        assert set(record) == {"prompt", "label", "metadata", "tools"}
+        assert record["tools"] == openai_agent.TOOLS  # the system turn the agent's calls render
+        assert record["prompt"] == _expected_conversation(record)
+        assert record["label"] == record["prompt"][-1]["content"]
+    assert {r["label"] for r in records} == {str(d) for d in range(10)}
+
+
+@pytest.mark.parametrize("task", sorted(set(TASKS) - {"tool_sum_sft"}))
 def test_schema_and_labels(task: str, tmp_path: Path) -> None:
     out = make_data(task, tmp_path / f"{task}.jsonl", num_samples=300, seed=3)
     records = _read_jsonl(out)
@@ -52,7 +81,7 @@ def test_schema_and_labels(task: str, tmp_path: Path) -> None:
 
 
 def test_single_token_answers_cover_all_digits() -> None:
-    for task in ("mod_sum", "chain"):
+    for task in ("mod_sum", "chain", "tool_sum"):
         labels = {r["label"] for r in generate_samples(task, 500, seed=0)}
         assert labels == {str(d) for d in range(10)}, task
 
@@ -95,7 +124,7 @@ def test_extract_answer() -> None:
 
 
 def test_errors(tmp_path: Path) -> None:
-    with pytest.raises(SlimError, match="mod_sum, add, reverse, chain"):
+    with pytest.raises(SlimError, match="mod_sum, add, reverse, chain, tool_sum, tool_sum_sft"):
         get_task("nope")
     with pytest.raises(SlimError, match="--num 0"):
         make_data("add", tmp_path / "x.jsonl", num_samples=0)

@@ -270,6 +270,9 @@ class DataConfig:
     """Field holding the reference answer."""
     metadata_key: str = "metadata"
     """Optional field copied into `Sample.metadata`."""
+    tools_key: str = "tools"
+    """Optional field holding OpenAI function tools, which the chat template renders with a row's
+    messages (an SFT conversation with tool calls; docs/agentic.md)."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template."""
     shuffle: bool = True

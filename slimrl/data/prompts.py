@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -21,6 +22,32 @@ class PromptRecord:
     prompt: str | list[dict[str, Any]]
     label: Any
     metadata: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools the chat template renders with the messages (`data.tools_key`)."""
+
+
+def is_conversation(prompt: str | list[dict[str, Any]]) -> bool:
+    """Chat messages that end with an assistant turn: a whole conversation to train on (SFT), not a
+    prompt to answer."""
+    return isinstance(prompt, list) and bool(prompt) and prompt[-1].get("role") == "assistant"
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: tool-call arguments as JSON objects where they parse
+    (as SGLang passes them), strings otherwise."""
+    out = copy.deepcopy(messages)
+    for message in out:
+        for call in message.get("tool_calls") or []:
+            arguments = call.get("function", {}).get("arguments")
+            if not isinstance(arguments, str):
+                continue
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                call["function"]["arguments"] = value
+    return out
 
 
 def iter_rows(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -71,10 +98,14 @@ def check_prompt_file(
     label_key: str | None,
     label_why: str,
     chat_template: bool,
+    *,
+    tools_key: str = "tools",
+    sft: bool = False,
 ) -> None:
     """Before anything starts: the file is a non-empty JSONL/Parquet data set whose first records
-    hold `input_key` (a string, or chat messages with `chat_template`) and, when given, `label_key`.
-    Raises `ConfigError` naming the config `key`."""
+    hold `input_key` (a string, or chat messages with `chat_template`), when present `tools_key` (a
+    list of tools) and, when given, `label_key` (except a whole conversation under `sft`: its
+    assistant turns are what it trains on). Raises `ConfigError` naming the config `key`."""
     try:
         rows = list(itertools.islice(iter_rows(path), FIRST_RECORDS))
     except SlimError as exc:
@@ -95,14 +126,24 @@ def check_prompt_file(
                 f"{where}: `{input_key}` holds chat messages; they need data.apply_chat_template=true"
             )
         if isinstance(prompt, list):
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            if not all(
+                isinstance(m, dict) and "role" in m and ("content" in m or "tool_calls" in m) for m in prompt
+            ):
                 raise ConfigError(
-                    f"{where}: `{input_key}` is a list but not of chat messages ({{role, content}} objects)"
+                    f"{where}: `{input_key}` is a list but not of chat messages ({{role, content}} or "
+                    "{role, tool_calls} objects)"
                 )
         elif not isinstance(prompt, str):
             raise ConfigError(
                 f"{where}: `{input_key}` is a {type(prompt).__name__}; expected a string or chat messages"
             )
+        tools = row.get(tools_key)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ConfigError(
+                f"data.tools_key={tools_key}: {where}: `{tools_key}` is not a list of OpenAI tool objects"
+            )
+        if sft and is_conversation(prompt):
+            continue
         if label_key is not None and row.get(label_key) is None:
             keys = ", ".join(sorted(map(str, row)))
             raise ConfigError(
@@ -112,7 +153,11 @@ def check_prompt_file(
 
 
 def load_prompts(
-    path: str | Path, input_key: str = "prompt", label_key: str = "label", metadata_key: str = "metadata"
+    path: str | Path,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    tools_key: str = "tools",
 ) -> list[PromptRecord]:
     records = []
     for index, row in enumerate(read_rows(path)):
@@ -121,7 +166,10 @@ def load_prompts(
             raise SlimError(f"{path}: row {index} has no `{input_key}` (data.input_key); its keys: {keys}")
         records.append(
             PromptRecord(
-                prompt=row[input_key], label=row.get(label_key), metadata=dict(row.get(metadata_key) or {})
+                prompt=row[input_key],
+                label=row.get(label_key),
+                metadata=dict(row.get(metadata_key) or {}),
+                tools=row.get(tools_key),
             )
         )
     if not records:
@@ -129,11 +177,16 @@ def load_prompts(
     return records
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], apply_chat_template: bool) -> list[int]:
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            for_template(messages), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         return list(ids)
     if not isinstance(prompt, str):
@@ -148,7 +201,9 @@ def drop_long_prompts(
     None keeps all); logs how many were dropped, and refuses a data set left empty."""
     if max_tokens is None:
         return records
-    kept = [r for r in records if len(render_prompt(tokenizer, r.prompt, chat_template)) <= max_tokens]
+    kept = [
+        r for r in records if len(render_prompt(tokenizer, r.prompt, chat_template, r.tools)) <= max_tokens
+    ]
     dropped = len(records) - len(kept)
     where = f" of {source}" if source else ""
     if not kept:

@@ -18,7 +18,7 @@ from typing import Any
 from slimrl.errors import SlimError
 from slimrl.utils.fs import atomic_write_text
 
-Sample = tuple[str, str, dict[str, Any]]
+Sample = tuple[str | list[dict[str, Any]], str, dict[str, Any]]
 """(prompt, label, task-specific metadata)."""
 
 ANSWER_STOPS: tuple[str, ...] = ("\n", "<|im_end|>", "<|endoftext|>")
@@ -36,6 +36,8 @@ class Task:
     name: str
     description: str
     generator: Callable[[random.Random], Sample]
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools written into every record (`data.tools_key`), for chat templates."""
 
     def generate(self, rng: random.Random) -> Sample:
         prompt, label, metadata = self.generator(rng)
@@ -77,6 +79,46 @@ def _chain(rng: random.Random, steps: int = 2) -> Sample:
     return f"{text}=", str(value), {"operands": operands, "ops": "".join(ops)}
 
 
+ADD_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+"""The `add` tool of `examples/openai_agent.py`, as the agent declares it (a test holds them equal):
+the tool_sum conversations must render the system turn the agent's calls render."""
+
+
+def _tool_sum(rng: random.Random) -> Sample:
+    # Two-digit operands: the answer's digit is (a mod 10 + b mod 10) mod 10, the demo's task, which
+    # the tiny model learns only in hundreds of steps; the `add` tool's result ends with it.
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}+{b}=", str((a + b) % 10), {"a": a, "b": b}
+
+
+def _tool_sum_sft(rng: random.Random) -> Sample:
+    """A whole tool-use conversation in OpenAI's message format, for supervised fine-tuning: the
+    user's sum, the assistant's `add` call with its two numbers, the tool's result, and the answer,
+    the result's last digit (only the assistant turns are trained on)."""
+    prompt, label, metadata = _tool_sum(rng)
+    a, b = metadata["a"], metadata["b"]
+    arguments = json.dumps({"a": a, "b": b})
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
+        {"role": "assistant", "content": label},
+    ]
+    return messages, label, metadata
+
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
@@ -84,6 +126,17 @@ TASKS: dict[str, Task] = {
         Task("add", "a+b= with a, b in 0..99; answer the full sum", _add),
         Task("reverse", "rev ddd= ; answer the three digits reversed", _reverse),
         Task("chain", "a+b-c= style two-step chain, partial results in 0..9; answer one digit", _chain),
+        Task(
+            "tool_sum",
+            "a+b= with a, b in 10..99; answer (a+b) mod 10, which an agent reads from the add tool",
+            _tool_sum,
+        ),
+        Task(
+            "tool_sum_sft",
+            "tool_sum conversations (user, add call, tool result, answer) for SFT",
+            _tool_sum_sft,
+            tools=[ADD_TOOL],
+        ),
     )
 }
 
@@ -104,7 +157,8 @@ def generate_samples(task: str, num_samples: int, seed: int = 0) -> list[dict[st
     records = []
     for _ in range(num_samples):
         prompt, label, metadata = spec.generate(rng)
-        records.append({"prompt": prompt, "label": label, "metadata": metadata})
+        record = {"prompt": prompt, "label": label, "metadata": metadata}
+        records.append(record if spec.tools is None else {**record, "tools": spec.tools})
     return records
 
 

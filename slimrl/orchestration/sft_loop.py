@@ -43,8 +43,10 @@ def run_sft(config: SlimConfig, run_dir: Path, trainers: TrainerGroup) -> None:
 
     assert config.data.prompt_data is not None  # check_run_inputs: before anything started
     tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)
-    records = load_prompts(config.data.prompt_data, config.data.input_key, config.data.label_key)
     data = config.data
+    records = load_prompts(
+        data.prompt_data, data.input_key, data.label_key, data.metadata_key, data.tools_key
+    )
     records = drop_long_prompts(
         records, tokenizer, data.max_prompt_tokens, data.apply_chat_template, data.prompt_data
     )

@@ -765,4 +765,6 @@ def _check_data(config: SlimConfig) -> None:
                 data.label_key if need_label else None,
                 why,
                 data.apply_chat_template,
+                tools_key=data.tools_key,
+                sft=sft,
             )

@@ -24,7 +24,7 @@ class DataSource:
         data = config.data
         self.config = config
         self.records: list[PromptRecord] = load_prompts(
-            path, data.input_key, data.label_key, data.metadata_key
+            path, data.input_key, data.label_key, data.metadata_key, data.tools_key
         )
         if data.max_prompt_tokens is not None:
             tokenizer = load_tokenizer(config.model.hf_checkpoint, config.model.trust_remote_code)

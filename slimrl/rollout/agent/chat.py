@@ -18,13 +18,13 @@ conversation afresh and the trajectory reports a split.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
 import uuid
 from typing import Any
 
+from slimrl.data.prompts import for_template
 from slimrl.rollout.agent.openai_api import ApiError, bad
 
 logger = logging.getLogger(__name__)
@@ -125,21 +125,6 @@ def message_key(message: dict[str, Any]) -> str:
 
 def tools_key(tools: list[dict[str, Any]]) -> str:
     return json.dumps(tools, sort_keys=True)
-
-
-def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: tool-call arguments as JSON objects where they parse
-    (as SGLang passes them), strings otherwise."""
-    out = copy.deepcopy(messages)
-    for message in out:
-        for call in message.get("tool_calls", []):
-            try:
-                value = json.loads(call["function"]["arguments"])
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                call["function"]["arguments"] = value
-    return out
 
 
 class ChatFormat:

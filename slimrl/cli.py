@@ -106,8 +106,10 @@ def _plan_time(args: argparse.Namespace) -> None:
 def _plot(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    out = Path(args.out) if args.out else Path(args.run_dir) / (args.key.replace("/", "_") + ".png")
-    print(f"wrote {plot_metric(Path(args.run_dir), out, args.key, args.window)}")
+    keys = args.key or ["rollout/raw_reward"]
+    name = "+".join(key.replace("/", "_") for key in keys) + ".png"
+    out = Path(args.out) if args.out else Path(args.run_dir) / name
+    print(f"wrote {plot_metric(Path(args.run_dir), out, keys, args.window)}")
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -243,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="plot one metric of a run (metrics.jsonl) to a PNG")
     plot.add_argument("run_dir", help="run directory, e.g. runs/tiny_moe_grpo")
-    plot.add_argument("--key", default="rollout/raw_reward")
+    plot.add_argument(
+        "--key",
+        action="append",
+        help="metric to plot (repeat for several curves; default rollout/raw_reward)",
+    )
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/<key>.png)")
     plot.add_argument("--window", type=positive_int, default=10, help="steps in the trailing mean")
     plot.set_defaults(handler=_plot)

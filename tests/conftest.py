@@ -67,6 +67,7 @@ MODULE_SECONDS = {
     "test_sglang_loaders": 21,
     "test_sft_e2e": 20,
     "test_sft_conversations": 35,
+    "test_agent_learning": 200,
     "test_config": 13,
     "test_weight_sync_order": 11,
     "test_weight_wire": 9,

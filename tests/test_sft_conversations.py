@@ -110,8 +110,27 @@ def test_the_data_check_lets_conversations_in_without_labels_for_sft_only(tmp_pa
         check_prompt_file(no_content, "data.prompt_data", "prompt", None, "", True)
 
 
+_REPLIES = (
+    {"role": "assistant", "content": "7"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {}}}],
+    },
+)
+
+
+def _template_ids(tokenizer, reply: dict) -> list[int]:
+    """transformers' own rendering of a tool_sum_sft conversation, up to the reply's end token."""
+    from slimrl.data.toy_tasks import CALCULATOR_TOOL
+
+    messages = [{"role": "user", "content": "12+34="}, reply]
+    ids = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=True, return_dict=False)
+    return list(ids)[: len(ids) - list(reversed(ids)).index(tokenizer.eos_token_id)]
+
+
 @pytest.mark.slow
-def test_slimrl_train_sft_on_tool_conversations(tmp_path: Path, tiny_model) -> None:
+def test_slimrl_train_sft_on_tool_conversations(tmp_path: Path, tiny_model, tokenizer) -> None:
     """The tool-use SFT config on `make-data --task tool_sum_sft` rows (no label needed): two
     Megatron ranks (EP2) train on the assistant turns; the loss falls from ln(vocab)."""
     data = make_data("tool_sum_sft", tmp_path / "conversations.jsonl", num_samples=256, seed=0)
@@ -129,6 +148,10 @@ def test_slimrl_train_sft_on_tool_conversations(tmp_path: Path, tiny_model) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    # 32 conversations of 394-395 tokens each (a sum of 2 or 3 digits), nothing cut or padded in
-    assert all(32 * 394 <= r["tokens"] <= 32 * 395 for r in rows)
-    assert rows[0]["loss"] > 4.0 and rows[-1]["loss"] < rows[0]["loss"] - 1.0  # measured: 4.65 -> 2.97
+    # 32 conversations per step, each as long as transformers renders it through the last end
+    # token: a guess or a tool call, nothing cut or padded in
+    guess, call = (len(_template_ids(tokenizer, reply)) for reply in _REPLIES)
+    for row in rows:
+        calls, rest = divmod(row["tokens"] - 32 * guess, call - guess)
+        assert rest == 0 and 0 < calls < 32, row["tokens"]
+    assert rows[0]["loss"] > 4.0 and rows[-1]["loss"] < rows[0]["loss"] - 2.0  # measured: 4.66 -> 1.54

@@ -79,44 +79,37 @@ def _chain(rng: random.Random, steps: int = 2) -> Sample:
     return f"{text}=", str(value), {"operands": operands, "ops": "".join(ops)}
 
 
-ADD_TOOL: dict[str, Any] = {
+CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
+        "name": "calculator",
+        "description": "Work out the arithmetic in the user's question.",
+        "parameters": {"type": "object", "properties": {}},
     },
 }
-"""The `add` tool of `examples/openai_agent.py`, as the agent declares it (a test holds them equal):
-the tool_sum conversations must render the system turn the agent's calls render."""
+"""The tool of `examples/calculator_agent.py`, as the agent declares it (a test holds them equal):
+the tool_sum_sft conversations must render the system turn the agent's calls render. It takes no
+arguments (it reads the question from the agent's task) because the tiny model learns to copy
+numbers into a call only after hundreds of SFT steps (docs/plan.md, session 25)."""
 
 
 def _tool_sum(rng: random.Random) -> Sample:
     # Two-digit operands: the answer's digit is (a mod 10 + b mod 10) mod 10, the demo's task, which
-    # the tiny model learns only in hundreds of steps; the `add` tool's result ends with it.
+    # the tiny model learns only in hundreds of RL steps; the calculator's result ends with it.
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     return f"{a}+{b}=", str((a + b) % 10), {"a": a, "b": b}
 
 
 def _tool_sum_sft(rng: random.Random) -> Sample:
-    """A whole tool-use conversation in OpenAI's message format, for supervised fine-tuning: the
-    user's sum, the assistant's `add` call with its two numbers, the tool's result, and the answer,
-    the result's last digit (only the assistant turns are trained on)."""
+    """A whole conversation in OpenAI's message format, for a warm start that teaches the formats
+    and not the choice: half the time the assistant calls the calculator (whose result the agent
+    reports), half the time it answers a random digit itself. Only the assistant turn is trained."""
     prompt, label, metadata = _tool_sum(rng)
-    a, b = metadata["a"], metadata["b"]
-    arguments = json.dumps({"a": a, "b": b})
-    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": arguments}}
-    messages = [
-        {"role": "user", "content": prompt},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
-        {"role": "assistant", "content": label},
-    ]
-    return messages, label, metadata
+    user = {"role": "user", "content": prompt}
+    if rng.random() < 0.5:
+        call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+        return [user, {"role": "assistant", "content": "", "tool_calls": [call]}], label, metadata
+    return [user, {"role": "assistant", "content": str(rng.randint(0, 9))}], label, metadata
 
 
 TASKS: dict[str, Task] = {
@@ -128,14 +121,14 @@ TASKS: dict[str, Task] = {
         Task("chain", "a+b-c= style two-step chain, partial results in 0..9; answer one digit", _chain),
         Task(
             "tool_sum",
-            "a+b= with a, b in 10..99; answer (a+b) mod 10, which an agent reads from the add tool",
+            "a+b= with a, b in 10..99; answer (a+b) mod 10, which an agent's calculator tool gives",
             _tool_sum,
         ),
         Task(
             "tool_sum_sft",
-            "tool_sum conversations (user, add call, tool result, answer) for SFT",
+            "tool_sum conversations for an SFT warm start: a calculator call or a random digit, half each",
             _tool_sum_sft,
-            tools=[ADD_TOOL],
+            tools=[CALCULATOR_TOOL],
         ),
     )
 }

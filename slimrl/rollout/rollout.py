@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import numbers
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -26,7 +28,7 @@ from slimrl.rollout.client import RID_PREFIX, FleetDown, NoEngineAvailable, Requ
 from slimrl.rollout.data_source import DataSource, Group
 from slimrl.rollout.generate import EVALUATING, RolloutContext, apply_response, generate, sampling_params_for
 from slimrl.rollout.hooks import check_hooks, load_hook
-from slimrl.rollout.rewards import compute_rewards, scalar_reward
+from slimrl.rollout.rewards import REWARD_KEY, compute_rewards, scalar_reward
 from slimrl.rollout.sample_checks import AGENT_KEY, GENERATE_KEY, ROLLOUT_KEY, check_sample, model_vocab_size
 from slimrl.sample import Sample, Status
 from slimrl.sampled import check_sampled
@@ -405,14 +407,35 @@ def rollout_metrics(groups: list[Group], seconds: float, counts: dict[str, Any])
         metrics["raw_reward_unfiltered"] = reward_sum / scored if scored else 0.0
     metrics.update({k: float(v) for k, v in counts.items()})
     metrics.update(_agent_metrics(samples))
+    metrics.update(_reward_entries(samples))
     return metrics
 
 
+def _reward_entries(samples: list[Sample]) -> dict[str, float]:
+    """`reward/<key>`: the mean of each entry of dict rewards besides the trained `score`, over the
+    samples whose reward has it (a control that reports `control_score` on some samples only gets
+    its own curve)."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        if isinstance(sample.reward, dict):
+            for key, value in sample.reward.items():
+                if key != REWARD_KEY and isinstance(value, numbers.Real) and math.isfinite(value):
+                    values.setdefault(f"reward/{key}", []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in values.items()}
+
+
 def _agent_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Agent runs in these samples, and the turns that started a new sample because they did not
-    extend one (the agent edited its history: `metadata["agent"]["splits"]` says why)."""
+    """Agent runs in these samples, the turns that started a new sample because they did not
+    extend one (the agent edited its history: `metadata["agent"]["splits"]` says why), and the
+    turns that opened a tool call the parser could not read."""
     runs = {s.metadata["agent"]["session"]: s.metadata["agent"] for s in samples if "agent" in s.metadata}
     if not runs:
         return {}
     splits = sum(len(info.get("splits", ())) for info in runs.values())
-    return {"agent_runs": float(len(runs)), "agent_splits": float(splits)}
+    turns = [t for s in samples for t in s.metadata.get("agent_sequence", {}).get("turns", ())]
+    malformed = sum(bool(t.get("malformed_tool_call")) for t in turns)
+    return {
+        "agent_runs": float(len(runs)),
+        "agent_splits": float(splits),
+        "agent_malformed_tool_calls": float(malformed),
+    }

@@ -32,24 +32,33 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_metric(run_dir: Path, out: Path, key: str = "rollout/raw_reward", window: int = 10) -> Path:
-    """Raw values and their trailing mean over `window` steps; written atomically."""
+COLORS = (("#9bbcdb", "#1f5a96"), ("#f0b49a", "#b8481c"), ("#a8d5a2", "#2e7d32"), ("#c9b3e0", "#6a3d9a"))
+"""(raw values, trailing mean) per curve."""
+
+
+def plot_metric(
+    run_dir: Path, out: Path, keys: str | list[str] = "rollout/raw_reward", window: int = 10
+) -> Path:
+    """Raw values and their trailing mean over `window` steps, one pair of lines per key on one
+    set of axes; written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, values = read_series(Path(run_dir) / "metrics.jsonl", key)
+    keys = [keys] if isinstance(keys, str) else keys
+    series = [(key, *read_series(Path(run_dir) / "metrics.jsonl", key)) for key in keys]
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
-    ax.plot(steps, values, color="#9bbcdb", linewidth=1, label=key)
-    ax.plot(
-        steps, moving_average(values, window), color="#1f5a96", linewidth=2, label=f"mean of last {window}"
-    )
+    for (key, steps, values), (light, dark) in zip(series, COLORS * len(series), strict=False):
+        mean = f"mean of last {window}" if len(keys) == 1 else f"{key}, mean of last {window}"
+        ax.plot(steps, values, color=light, linewidth=1, label=key if len(keys) == 1 else None)
+        ax.plot(steps, moving_average(values, window), color=dark, linewidth=2, label=mean)
     ax.set_xlabel("rollout step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{Path(run_dir).name}: {key}")
+    ax.set_ylabel(keys[0] if len(keys) == 1 else "value")
+    ax.set_title(f"{Path(run_dir).name}: {keys[0]}" if len(keys) == 1 else Path(run_dir).name)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # rollout steps
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

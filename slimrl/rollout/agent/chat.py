@@ -197,20 +197,21 @@ class ChatFormat:
                 raise bad(f"tools[{i}]", problem) from None
         return checked
 
-    def parse_tool_calls(self, text: str, tools: list[Any]) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI `tool_calls`) from a completion's text, with SGLang's parser as its
-        OpenAI server uses it (`serving_chat._process_tool_calls`): no marker, the text as it is; a
-        marker without a complete call, the text before it and no calls."""
+    def parse_tool_calls(self, text: str, tools: list[Any]) -> tuple[str | None, list[dict[str, Any]], bool]:
+        """(content, OpenAI `tool_calls`, malformed) from a completion's text, with SGLang's parser
+        as its OpenAI server uses it (`serving_chat._process_tool_calls`): no marker, the text as it
+        is; a marker without a complete call, the text before it, no calls, and malformed True."""
         from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
+        _quiet_parsers()
         parser = FunctionCallParser(tools, self.tool_call_parser, tokenizer=self.tokenizer)
         if not parser.has_tool_call(text):
-            return text, []
+            return text, [], False
         try:
             normal, calls = parser.parse_non_stream(text)
         except Exception as exc:  # SGLang logs and keeps the text
             logger.warning("tool-call parser %s failed: %s", self.tool_call_parser, exc)
-            return text, []
+            return text, [], True
         tool_calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -219,4 +220,12 @@ class ChatFormat:
             }
             for call in calls
         ]
-        return (normal or None) if tool_calls else normal, tool_calls
+        return (normal or None) if tool_calls else normal, tool_calls, not tool_calls
+
+
+@functools.cache
+def _quiet_parsers() -> None:
+    """SGLang's tool-call parsers warn once per malformed call. A policy in training writes many
+    (the tiny models' first calls, any model's exploration); each is recorded on its turn instead
+    (`malformed_tool_call` in the sample log, `rollout/agent_malformed_tool_calls`)."""
+    logging.getLogger("sglang.srt.function_call").setLevel(logging.ERROR)

@@ -299,7 +299,7 @@ class AgentEndpoint:
             text, finish = self._text(turn)
             content, calls = text, []
             if req.tools and req.tool_choice != "none":
-                content, calls = self.chat.parse_tool_calls(text, tools)
+                content, calls, turn.malformed_tool_call = self.chat.parse_tool_calls(text, tools)
             if calls and finish == "stop":
                 finish = "tool_calls"
             message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}

@@ -61,6 +61,8 @@ class Turn:
     routing_start: int = 0
     top_logprobs: list[Any] | None = None
     """`meta_info.output_top_logprobs` when asked: per token, `[logprob, id, text]` alternatives."""
+    malformed_tool_call: bool = False
+    """The completion opened a tool call that the tool-call parser could not read."""
 
     @property
     def ids(self) -> list[int]:
@@ -75,6 +77,8 @@ class Turn:
             "completion_tokens": len(self.completion_ids),
             "finish_reason": self.finish_reason,
         }
+        if self.malformed_tool_call:
+            record["malformed_tool_call"] = True
         if len(self.version_spans) > 1:  # continued after a park: tokens per weight version
             record["version_spans"] = [[n, list(v)] for n, v in self.version_spans]
         return record

@@ -199,7 +199,8 @@ def stack(request, tool_model, tmp_path_factory) -> Iterator[Stack]:
     kind = request.param
     log_dir = tmp_path_factory.mktemp(f"agent-{kind}")
     loop = LoopThread()
-    with running_engines(kind, tool_model, log_dir, 1, "algorithm.routing_replay=true") as (url,):
+    overrides = ("algorithm.routing_replay=true", "rollout.sglang.extra_args.tool_call_parser=qwen25")
+    with running_engines(kind, tool_model, log_dir, 1, *overrides) as (url,):
         recorder = Recorder(url)
         loop.run(recorder.start())
         tokenizer = AutoTokenizer.from_pretrained(tool_model)
@@ -336,6 +337,62 @@ def test_chat_completion_shape_usage_and_logprobs(stack: Stack) -> None:
     )  # fmt: skip
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "stop"
     assert none.choices[0].message.content == _conversation(stack.tokenizer)[1]
+
+
+def _reply(reply: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between two chat completions (call ids are random)."""
+    (choice,) = reply["choices"]
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"].get("tool_calls") or []
+    ]
+    usage = (reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"])
+    return {
+        "content": choice["message"]["content"],
+        "calls": calls,
+        "finish": choice["finish_reason"],
+        "usage": usage,
+    }
+
+
+@pytest.mark.parametrize("stack", ["sglang"], indirect=True)
+def test_the_endpoint_renders_and_replies_as_sglangs_own_chat_completions(stack: Stack) -> None:
+    """The referee for the chat side: real SGLang's own `/v1/chat/completions` (launched with the
+    same tool-call parser) and slimrl's endpoint in front of the same server, asked the same
+    conversation greedily over two turns, send the engine the same prompt ids, get the same
+    completion ids and reply with the same content, tool calls, finish reason and usage.
+
+    One difference, kept on purpose: SGLang 0.5.23 renders each tool as its pydantic `Tool` dumps
+    it, adding `"defer_loading": null`; slimrl renders the tools as the agent sent them, as
+    transformers' `apply_chat_template` and an SFT data set do. So the tools here carry that field,
+    and the last request shows the difference is exactly its tokens."""
+    as_sglang_dumps = [{**tool, "defer_loading": None} for tool in openai_agent.TOOLS]
+    session = stack.session()
+    url = f"{stack.endpoint.base_url(session)}/chat/completions"
+    auth = {"Authorization": f"Bearer {stack.endpoint.api_key}"}
+    extras = {"temperature": 0.0, "return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+    messages = openai_agent.first_messages(TASK)
+    for follow_up in ("and 4+4?", None):
+        ask = {"model": "m", "messages": messages, "tools": as_sglang_dumps, "max_tokens": 12}
+        mark = stack.mark()
+        mine = requests.post(url, json=ask, headers=auth, timeout=120).json()
+        ((sent, got),) = stack.recorder.calls[mark:]
+        theirs = requests.post(
+            f"{stack.recorder.engine_url}/v1/chat/completions", json={**ask, **extras}, timeout=120
+        )
+        theirs = theirs.json()
+        assert sent["input_ids"] == theirs["sglext"]["input_ids"]
+        assert [got["output_ids"]] == theirs["sglext"]["output_ids"]
+        assert _reply(mine) == _reply(theirs)
+        if follow_up is not None:  # the conversation goes on: slimrl continues from the sampled ids
+            messages = [*messages, mine["choices"][0]["message"], {"role": "user", "content": follow_up}]
+    plain = {"model": "m", "messages": messages[:1], "tools": openai_agent.TOOLS, "max_tokens": 1}
+    mine = requests.post(url, json=plain, headers=auth, timeout=120).json()
+    theirs = requests.post(
+        f"{stack.recorder.engine_url}/v1/chat/completions", json={**plain, **extras}, timeout=120
+    )
+    added = len(stack.tokenizer.encode(', "defer_loading": null', add_special_tokens=False))
+    assert theirs.json()["usage"]["prompt_tokens"] - mine["usage"]["prompt_tokens"] == added
 
 
 def test_multi_turn_tool_calls_train_on_exactly_the_sampled_tokens(stack: Stack) -> None:

@@ -588,6 +588,14 @@ def weight_sync(spec: StepSpec) -> tuple[float, str]:
         bandwidth, _ = _link(gpu, world)
         move = served / e.gpus / bandwidth if world > 1 else 0.0
         how = "each trainer rank gathers its colocated engine rank's shard and hands it over by CUDA IPC"
+    elif spec.transport == "export":
+        span = t.layout.ep * t.layout.pp
+        bandwidth, _ = _link(gpu, span)
+        move = served / bandwidth if span > 1 else 0.0
+        how = (
+            "every trainer GPU receives the whole model (broadcast over PP, all-gathered over EP) "
+            "and hands its colocated engine rank its shard (NeMo-RL v0.6's Megatron-Bridge export)"
+        )
     elif spec.transport == "distributed":
         move = 2 * served / network
         how = "owners -> trainer rank 0 -> NCCL broadcast to every engine GPU"

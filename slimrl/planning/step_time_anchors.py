@@ -672,18 +672,20 @@ def _spec(anchor: Anchor) -> StepSpec:
     )  # fmt: skip
     if gpu.nvlink_domain <= 8:
         gpu = replace(gpu, nvlink_domain=8)
+    elif anchor.gpus > gpu.nvlink_domain:
+        # NeMo-RL v0.6.0's recipes give Slurm no `segment_size`: a job larger than one NVL72 rack
+        # is placed without regard to racks, so a group may cross racks anywhere; the model takes
+        # the node (4 GB200) as the NVLink domain (session 25: its 64-GPU rows fit in one rack).
+        gpu = replace(gpu, nvlink_domain=4)
+    # NeMo-RL v0.6's colocated refit exports HF weights with Megatron-Bridge: each tensor is
+    # broadcast to every PP rank and all-gathered over EP, so every GPU receives about the whole
+    # model (its checkpoint-engine guide: 36.8 s full-expert against 10.9 s sharded, DSV3).
+    transport = "export" if anchor.source == NEMO_V06 else "ipc"
     return StepSpec(
         model=shape, gpu=gpu, gpus_per_node=8, trainer=trainer, engines=engines, workload=workload,
-        colocate=True, policy_logprobs=True, reference_logprobs=anchor.kl, transport="ipc", offload=True,
+        colocate=True, policy_logprobs=True, reference_logprobs=anchor.kl, transport=transport, offload=True,
     )  # fmt: skip
 
-
-_DEEPSEEK = (
-    "DeepSeek-V3 (671 B, 256 experts; vLLM TP32 engines spanning four nodes, training EP16 across "
-    "two nodes): the model gives 0.53-0.63 of every published step. Not modelled, and the likely "
-    "gap: inter-node expert all-to-all and TP32 all-reduces below the link rates assumed, and the "
-    "refit of 47k tensors by NeMo-RL v0.6's path"
-)
 
 OPEN: dict[tuple[str, str], str] = {
     ("nemo-v0.3 llama3.1-8b 8xH100", "refit"): (
@@ -693,14 +695,6 @@ OPEN: dict[tuple[str, str], str] = {
     ("nemo-v0.3 rerun llama3.1-70b 64xH100", "refit"): (
         "14 s in the blog (the calibration) and 26 s in the rerun of the same config: run-to-run "
         "spread, not a layout the model misreads"
-    ),
-    ("nemo-v0.6 deepseek-v3 256xH100", "step"): _DEEPSEEK,
-    ("nemo-v0.6 deepseek-v3 512xH100", "step"): _DEEPSEEK,
-    ("nemo-v0.6 deepseek-v3 128xGB200", "step"): _DEEPSEEK,
-    ("nemo-v0.6 deepseek-v3 256xGB200", "step"): _DEEPSEEK,
-    ("nemo-v0.6 qwen3-235b 128xGB200", "step"): (
-        "the same table gives 286 s for the same model on 64 GB200: more GPUs taking longer is "
-        "outside what a model of work over rates can give (the 128-GPU run spans two NVL72 racks)"
     ),
     ("verl qwen3-30b-a3b 128xH20", "old_log_prob"): (
         "verl's phases also hold the actor's parameter offload and reload and its host optimizer "

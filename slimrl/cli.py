@@ -243,14 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(handler=_plan)
 
-    plot = sub.add_parser("plot", help="plot one metric of a run (metrics.jsonl) to a PNG")
+    plot = sub.add_parser("plot", help="plot metrics of a run (metrics.jsonl) to a PNG")
     plot.add_argument("run_dir", help="run directory, e.g. runs/tiny_moe_grpo")
     plot.add_argument(
         "--key",
         action="append",
         help="metric to plot (repeat for several curves; default rollout/raw_reward)",
     )
-    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/<key>.png)")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/<key>[+<key>...].png)")
     plot.add_argument("--window", type=positive_int, default=10, help="steps in the trailing mean")
     plot.set_defaults(handler=_plot)
 

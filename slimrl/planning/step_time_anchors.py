@@ -697,12 +697,16 @@ OPEN: dict[tuple[str, str], str] = {
         "spread, not a layout the model misreads"
     ),
     ("verl qwen3-30b-a3b 128xH20", "old_log_prob"): (
-        "verl's phases also hold the actor's parameter offload and reload and its host optimizer "
-        "(HybridDeviceOptimizer, offload fraction 1.0), priced here at the host link alone; the "
-        "mean response (solved from `ref`) carries that phase's error"
+        "7 s more than `ref` (the same pass): verl offloads the actor's bf16 parameters inside this "
+        "timer by `.cpu().pin_memory()` (a pageable copy, a fresh pinned allocation, a host copy: "
+        "~9 GB per GPU), priced here as pinned copies at half the host link (0.3 s); its entropy "
+        "(~12 passes over fp32 logits) adds ~0.4 s by the same roofline, not the gap"
     ),
     ("verl qwen3-30b-a3b 128xH20", "update_actor"): (
-        "as `old_log_prob`: the host optimizer step and the parameter offload around it"
+        "30 s more than predicted: four host optimizer steps (Megatron's HybridDeviceOptimizer, "
+        "fraction 1.0: one fused CPU AdamW per tensor over unpinned fp32 masters, a dtype-changing "
+        "copy back per step) on a host CPU the run does not name, and the pageable offload as in "
+        "`old_log_prob`; the model prices only the host link"
     ),
 }
 """Published phases the model misses by more than 25%, each with what it lacks. Checked both

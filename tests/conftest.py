@@ -100,18 +100,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """A whole tier's run times a fixed workload first (`suite_clock.py`): its time is then gated
     in those units by `make bench`."""
     config = session.config
-    tier = suite_clock.tier_of(config.args, config.option.markexpr or "", config.option.keyword or "")
+    option = config.option
+    narrowed = bool(option.collectonly or getattr(option, "lf", False) or option.deselect)
+    tier = suite_clock.tier_of(config.args, option.markexpr or "", option.keyword or "", narrowed)
     if _controller(config) and tier is not None:
         config.stash[SUITE_CLOCK] = (tier, suite_clock.calibrate(), time.monotonic())
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     clock = config.stash.get(SUITE_CLOCK, None)
-    if clock is None or exitstatus != 0:
+    passed = len(terminalreporter.stats.get("passed", []))
+    if clock is None or exitstatus != 0 or passed == 0:
         return
     tier, calibration_s, start = clock
     workers = getattr(config.option, "numprocesses", None) or 1
-    passed = len(terminalreporter.stats.get("passed", []))
     entry = suite_clock.row(tier, time.monotonic() - start, calibration_s, passed, int(workers))
     suite_clock.append(suite_clock.SUITE_TIMES, entry)
     terminalreporter.write_line(

@@ -25,10 +25,11 @@ TIERS = {"": "all", "not slow": "fast", "sglang": "sglang"}
 """`-m` expression -> tier name (the Makefile's `test`, `test-fast` and `test-sglang`)."""
 
 
-def tier_of(args: list[str], markexpr: str, keyword: str) -> str | None:
-    """The tier a pytest invocation runs, or None for a partial run."""
+def tier_of(args: list[str], markexpr: str, keyword: str, narrowed: bool = False) -> str | None:
+    """The tier a pytest invocation runs, or None for a partial run (`narrowed`: an option that
+    runs fewer tests or none: `--collect-only`, `--lf`, `--deselect`)."""
     whole = [a.rstrip("/") for a in args] in ([], ["tests"], [str(REPO / "tests")])
-    if not whole or keyword:
+    if not whole or keyword or narrowed:
         return None
     return TIERS.get(markexpr.strip())
 

@@ -43,10 +43,11 @@ def test_grpo_through_the_endpoint_learns_to_use_the_calculator(tmp_path: Path, 
     (GRPO, 16 tasks x 8 agent runs per step) learns that the tool pays. In the same run, tasks whose
     first number is odd get a calculator that answers a random digit: the model calls it there as
     often (it cannot tell the tasks apart), and their reward stays at chance, so the rise is what
-    the tool says, not the act of calling it. Measured (seeded, four runs): the tool tasks'
-    reward 0.47 at the first rollout and 0.82-0.98 from the 7th on, their call rate 0.41-0.44 ->
-    about 0.9; the control tasks' call rate 0.38 -> about 0.9 while their reward stays at
-    0.00-0.20 (chance: 0.1)."""
+    the tool says, not the act of calling it. Measured (session 26, lr 5e-4, three runs from one
+    warm start): the tool tasks' reward 0.47 at the first rollout and 0.93-0.95 over the last
+    three, their call rate 0.44 -> 0.93-0.95; the control tasks' call rate 0.38 -> 0.93, their
+    reward 0.06-0.11 (chance: 0.1). The bounds leave 0.18 below that: at lr 1e-3 (session 25's
+    config) CI's run ended at 0.83 and two runs here dipped to 0.4-0.5 for one rollout."""
     sft_data = make_data("tool_sum_sft", tmp_path / "sft.jsonl", num_samples=1000, seed=0)
     rl_data = make_data("tool_sum", tmp_path / "rl.jsonl", num_samples=1000, seed=0)
     sft = run_slimrl(
@@ -75,9 +76,10 @@ def test_grpo_through_the_endpoint_learns_to_use_the_calculator(tmp_path: Path, 
         > 0
     )  # the warm start still writes some calls the parser cannot read
     # after RL: the tool tasks are right almost always, and the model calls the tool everywhere...
-    assert _rate(last, "score", False) > 0.8
-    assert _rate(last, "called_tool", False) > 0.8 and _rate(last, "called_tool", True) > 0.8
-    # ...yet where the tool says nothing, the reward stays at chance (1 in 10; ~96 samples)
+    tool_reward = _rate(last, "score", False)
+    assert tool_reward > 0.75 and tool_reward - _rate(first, "score", False) > 0.3
+    assert _rate(last, "called_tool", False) > 0.75 and _rate(last, "called_tool", True) > 0.75
+    # ...yet where the tool says nothing, the reward stays at chance (1 in 10; ~190 samples)
     assert _rate(last, "score", True) < 0.25
     assert all(record["metadata"]["agent"]["calls"] == 1 for record in last)
     # the two halves' curves are metrics of their own (each reward entry's mean over the samples

@@ -121,18 +121,19 @@ def test_run_all_refuses_bad_input_in_one_line(args, message):
 
 
 @pytest.mark.parametrize(
-    ("args", "markexpr", "keyword", "tier"),
+    ("args", "markexpr", "keyword", "narrowed", "tier"),
     [
-        (["tests"], "", "", "all"),
-        (["tests/"], "not slow", "", "fast"),
-        ([], "sglang", "", "sglang"),
-        (["tests/test_config.py"], "", "", None),  # a narrower path
-        (["tests"], "", "resume", None),  # -k
-        (["tests"], "slow and not sglang", "", None),  # not a Makefile tier
+        (["tests"], "", "", False, "all"),
+        (["tests/"], "not slow", "", False, "fast"),
+        ([], "sglang", "", False, "sglang"),
+        (["tests/test_config.py"], "", "", False, None),  # a narrower path
+        (["tests"], "", "resume", False, None),  # -k
+        (["tests"], "slow and not sglang", "", False, None),  # not a Makefile tier
+        ([], "sglang", "", True, None),  # --collect-only, --lf or --deselect
     ],
 )
-def test_only_a_whole_tier_counts_as_the_suites_time(args, markexpr, keyword, tier):
-    assert suite_clock.tier_of(args, markexpr, keyword) == tier
+def test_only_a_whole_tier_counts_as_the_suites_time(args, markexpr, keyword, narrowed, tier):
+    assert suite_clock.tier_of(args, markexpr, keyword, narrowed) == tier
 
 
 def test_a_suite_tier_slower_in_calibration_units_fails_the_gate_in_one_line(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import signal
 import subprocess
@@ -457,3 +458,44 @@ def test_sigterm_shuts_down_cleanly(server):
     assert box["result"].status_code == 503  # the in-flight request was answered, not left hanging
     assert "shutting down" in box["result"].json()["error"]["message"]
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_routers_grpc_probe_is_refused_without_an_error_in_the_engine_log(caplog) -> None:
+    """sglang-router 0.3.x sends every worker it registers an HTTP/2 preface (its gRPC probe):
+    aiohttp answers 400 and, left alone, logs an ERROR with a traceback on each registration.
+    The engine's filter drops exactly that record; the reply is the same 400."""
+    from aiohttp import web
+
+    from slimrl.rollout.embedded import server
+
+    logger = logging.getLogger("aiohttp.server")
+    for old in [f for f in logger.filters if isinstance(f, server._GrpcProbeFilter)]:
+        logger.removeFilter(old)
+
+    async def probe() -> bytes:
+        runner = web.AppRunner(web.Application(), access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            return status
+        finally:
+            await runner.cleanup()
+
+    def errors() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.ERROR]
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        assert asyncio.run(probe()).startswith(b"HTTP/1.0 400")
+        assert len(errors()) == 1 and "PRI/Upgrade" in str(errors()[0].exc_info[1])  # unfiltered
+        caplog.clear()
+        server.quiet_grpc_probes()
+        server.quiet_grpc_probes()  # idempotent: one filter
+        assert asyncio.run(probe()).startswith(b"HTTP/1.0 400")
+        assert errors() == []
+    assert sum(isinstance(f, server._GrpcProbeFilter) for f in logger.filters) == 1

@@ -50,6 +50,19 @@ def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> str:
+    """The model's chat template applied to `messages` (and `tools`): the one rendering that RL
+    prompts, SFT conversations and the agent endpoint share."""
+    return tokenizer.apply_chat_template(
+        for_template(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered text (the template wrote the special tokens itself)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def iter_rows(path: str | Path) -> Iterator[dict[str, Any]]:
     """The rows of a JSONL (one JSON object per line) or Parquet file, read lazily."""
     path = Path(path)
@@ -185,13 +198,10 @@ def render_prompt(
 ) -> list[int]:
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(
-            for_template(messages), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
+        return text_ids(tokenizer, chat_text(tokenizer, messages, tools, True))
     if not isinstance(prompt, str):
         raise TypeError("chat-message prompts need data.apply_chat_template=true")
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return text_ids(tokenizer, prompt)
 
 
 def drop_long_prompts(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimrl.data.prompts import PromptRecord, for_template, is_conversation, render_prompt
+from slimrl.data.prompts import PromptRecord, chat_text, is_conversation, render_prompt, text_ids
 from slimrl.errors import SlimError
 from slimrl.sample import Sample, Status
 
@@ -37,10 +37,7 @@ def sft_sample(tokenizer: Any, record: PromptRecord, apply_chat_template: bool, 
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        for_template(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text_ids(tokenizer, chat_text(tokenizer, messages, tools, generation_prompt))
 
 
 def assistant_spans(

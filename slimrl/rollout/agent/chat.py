@@ -24,7 +24,7 @@ import logging
 import uuid
 from typing import Any
 
-from slimrl.data.prompts import for_template
+from slimrl.data.prompts import chat_text, text_ids
 from slimrl.rollout.agent.openai_api import ApiError, bad
 
 logger = logging.getLogger(__name__)
@@ -140,17 +140,12 @@ class ChatFormat:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool
     ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                for_template(messages),
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-            )
+            return chat_text(self.tokenizer, messages, tools, generation_prompt)
         except Exception as exc:  # the template's own check (jinja's raise_exception) or a bad value
             raise ApiError(400, f"The chat template refused the messages: {exc}", param="messages") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text_ids(self.tokenizer, text)
 
     def _turn_close(self) -> str | None:
         messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]

@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 import slimrl
 from slimrl.rollout.embedded import tensor_transport
@@ -800,9 +801,28 @@ def keep_alive_seconds() -> float:
     return float(os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE", "5"))
 
 
+class _GrpcProbeFilter(logging.Filter):
+    """sglang-router (0.3.x) probes every worker it registers for gRPC as well as HTTP
+    (`detect_connection_mode`): an HTTP/2 preface on the HTTP port, which aiohttp answers with a
+    400 and logs at ERROR with a traceback ("Pause on PRI/Upgrade"). The probe is expected (real
+    SGLang's uvicorn refuses it the same way) and says nothing about the engine: drop it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
+
+
+def quiet_grpc_probes() -> None:
+    """Keep the router's gRPC probes out of the engine's log (idempotent)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _GrpcProbeFilter) for f in logger.filters):
+        logger.addFilter(_GrpcProbeFilter())
+
+
 async def serve(args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
     """Listen, load, announce readiness, and run until SIGTERM/SIGINT (then shut down cleanly)."""
     server = EmbeddedServer(args)
+    quiet_grpc_probes()
     runner = web.AppRunner(
         server.app, handle_signals=False, access_log=None, shutdown_timeout=3.0,
         keepalive_timeout=keep_alive_seconds(),

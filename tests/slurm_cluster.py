@@ -120,11 +120,15 @@ def job_processes(node: str) -> list[str]:
     ]
 
 
-def _loads_ray_core(pid: int) -> bool:
+def _loads_ray_core(pid: int) -> bool | None:
+    """None when the process is gone or going: exited since `ss` listed it, or exiting (the kernel
+    releases its memory map before its files, so for a moment its sockets outlive an empty map and
+    an empty command line: seen once in a clean clone as a Ray worker with neither)."""
     try:
-        return "_raylet.so" in Path(f"/proc/{pid}/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
-        return False
+        return None
+    return ("_raylet.so" in maps) if maps else None
 
 
 @dataclass(frozen=True)
@@ -201,9 +205,10 @@ class HostWatcher:
                 name, pid = users[0][0], int(users[0][1])
                 if state == "LISTEN":
                     host, port = _split_address(local)
-                    self.listeners.add(
-                        Listener(node, host, port, name, cmdline(pid)[:160], _loads_ray_core(pid))
-                    )
+                    command, ray_core = cmdline(pid)[:160], _loads_ray_core(pid)
+                    if ray_core is None:  # gone or going: the samples before saw it alive
+                        continue
+                    self.listeners.add(Listener(node, host, port, name, command, ray_core))
                 elif state == "ESTAB":
                     self.connections.add(Connection(node, local, peer, name))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from slimrl.utils import net
 from tests import suite_clock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,9 +183,7 @@ def mod_sum_data(assets) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return net.free_port()
 
 
 def run_torchrun(

@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import datetime
+import random
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 
+PORTS_FROM = 20000
+"""Where `free_port` looks first: above Ray's default worker ports (10002-19999)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now; the caller binds it soon after (another process may take it first)."""
+    """A port free on `host` now, below the kernel's ephemeral range when there is room: the
+    caller binds it later (an SGLang server only after loading, ~20 s), and in the ephemeral range
+    any outgoing connection can take it meanwhile (a clean clone lost an SGLang start so)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(PORTS_FROM, low), min(64, max(low - PORTS_FROM, 0))):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

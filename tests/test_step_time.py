@@ -40,17 +40,21 @@ def test_predicted_phase_within_25_percent_of_published(row) -> None:
     )
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS if r[4] == "open"], ids=_id)
-def test_listed_open_misses_still_miss(row) -> None:
-    """A phase on the OPEN list that the model now predicts must leave the list."""
-    anchor, phase, published, prediction, _ = row
-    assert abs(prediction / published - 1) > TOLERANCE, f"{anchor.key} {phase} now fits: remove it from OPEN"
+def test_listed_open_misses_still_miss() -> None:
+    """A phase on the OPEN list (empty since session 27) that the model now predicts must leave it."""
+    open_rows = [r for r in ROWS if r[4] == "open"]
+    assert len(open_rows) == len(OPEN)
+    for anchor, phase, published, prediction, _ in open_rows:
+        fits = f"{anchor.key} {phase} now fits: remove it from OPEN"
+        assert abs(prediction / published - 1) > TOLERANCE, fits
 
 
 def test_calibration_phases_reproduce_their_published_value() -> None:
     """The constants were fitted on these phases (rounded): they come back within 5%."""
     calibration = [r for r in ROWS if r[4] == "calibration"]
-    assert len({r[0].key for r in calibration}) <= 4  # 8B, 70B, 30B-A3B; verl's unknown response length
+    # 8B, 70B, 30B-A3B; verl's unknown response length and its per-call host offload
+    assert len({r[0].key for r in calibration}) <= 4
+    assert len(calibration) <= 8
     for anchor, phase, published, prediction, _ in calibration:
         assert abs(prediction / published - 1) < 0.05, (anchor.key, phase, prediction, published)
 
@@ -115,6 +119,55 @@ def test_predicted_phases_follow_the_anchor_mapping() -> None:
     assert predicted(anchor, spec, "logprobs") == pytest.approx(
         phases["policy_logprobs"] + phases["reference_logprobs"]
     )
+
+
+def test_nemo_v03_refit_gathers_the_whole_model_across_pipeline_stages() -> None:
+    """NeMo-RL v0.3's `gather_params` broadcasts every tensor from its PP stage to the whole PP
+    group, and Megatron puts PP outermost (rank order tp-cp-ep-dp-pp): for the 70B row (TP4 PP4 on
+    eight nodes) each GPU receives 3/4 of the bf16 model over its NIC. By hand from the data sheet:
+    70.6 B params x 2 bytes x 3/4 at 400 Gb/s x 0.8."""
+    anchor = next(a for a in ANCHORS if a.key == "nemo-v0.3 llama3.1-70b 64xH100")
+    spec = anchor_spec(anchor)
+    assert spec.transport == "gather"
+    no_pp = replace(spec, trainer=replace(spec.trainer, layout=replace(spec.trainer.layout, pp=1)))
+    pp_broadcast = st.weight_sync(spec)[0] - st.weight_sync(no_pp)[0]
+    bf16_bytes = spec.engines.served_bytes
+    assert bf16_bytes == pytest.approx(70.55e9 * 2, rel=0.01)
+    assert pp_broadcast == pytest.approx(bf16_bytes * 3 / 4 / (400e9 / 8 * 0.8), rel=1e-6)
+    eight_b = anchor_spec(next(a for a in ANCHORS if a.key == "nemo-v0.3 llama3.1-8b 8xH100"))
+    assert st.weight_sync(eight_b)[0] == pytest.approx(
+        eight_b.engines.served_bytes / st.WEIGHT_LOAD_BYTES_PER_S
+        + eight_b.model.hf_tensors * st.WEIGHT_LOAD_S_PER_TENSOR
+    )  # one GPU per engine, no TP, PP or EP: nothing to gather
+
+
+def test_the_rerun_s_refit_is_slower_where_nothing_else_is() -> None:
+    """Why the rerun's refit phases are unchecked (`RERUN_REFIT`): against the blog, both refits
+    are at least 1.3x while every generation and logprob phase is at most 1.11x."""
+    by_key = {a.key: a.published for a in ANCHORS}
+    for size in ("llama3.1-8b 8xH100", "llama3.1-70b 64xH100"):
+        blog, rerun = by_key[f"nemo-v0.3 {size}"], by_key[f"nemo-v0.3 rerun {size}"]
+        assert rerun["refit"] / blog["refit"] >= 1.3
+        for phase in ("generation", "logprobs"):
+            assert abs(rerun[phase] / blog[phase] - 1) <= 0.112, (size, phase)
+        assert "refit" in next(a for a in ANCHORS if a.key == f"nemo-v0.3 rerun {size}").unchecked
+
+
+def test_verl_offloads_inside_each_timer_and_reduces_gradients_after_the_backward() -> None:
+    """verl (`param_offload=True`) loads and offloads the actor inside `old_log_prob` and
+    `update_actor`, each offload a fresh `.cpu().pin_memory()`; its DDP does not overlap the
+    gradient reduction. Both are read from verl's code, so only `old_log_prob` is fitted."""
+    anchor = next(a for a in ANCHORS if a.framework == "verl")
+    spec = anchor_spec(anchor)
+    phases = st.predict(spec).phases
+    assert not spec.trainer.overlap_grad_reduce and spec.trainer.offload_reallocates
+    offload = spec.trainer.params_bytes / st.REALLOCATING_OFFLOAD_BYTES_PER_S
+    assert phases["offload"] == pytest.approx(offload)
+    assert predicted(anchor, spec, "update_actor") == pytest.approx(
+        phases["training"] + phases["onload"] + offload
+    )
+    overlapped = replace(spec, trainer=replace(spec.trainer, overlap_grad_reduce=True))
+    assert st.training(overlapped) < st.training(spec)
 
 
 def test_weight_transport_matches_the_config_gate() -> None:

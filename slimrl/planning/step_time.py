@@ -67,12 +67,13 @@ Megatron training beyond its FLOPs and bytes: the token dispatcher's host synchr
 per expert), the permutations and the launches around them. Fitted on NeMo-RL v0.3's
 Qwen3-30B-A3B training phase (50 s, where FLOPs alone give 8 s)."""
 
-WEIGHT_LOAD_BYTES_PER_S = 2.9e9
+WEIGHT_LOAD_BYTES_PER_S = 3.4e9
 """Rate at which an engine GPU takes in its shard of updated weights (bucket unpacking, the
-loader's slicing and copies): a software rate, far below HBM bandwidth. Fitted on NeMo-RL v0.3's
-Llama-3.1-70B refit phase (14 s: 35 GB per vLLM GPU)."""
+loader's slicing and copies): a software rate, far below HBM bandwidth. Fitted, with
+`WEIGHT_LOAD_S_PER_TENSOR`, on NeMo-RL v0.3's Llama-3.1-70B refit phase (14 s: 35 GB per vLLM GPU,
+of which 2.6 s is the PP broadcast of the whole model across nodes)."""
 
-WEIGHT_LOAD_S_PER_TENSOR = 3.1e-4
+WEIGHT_LOAD_S_PER_TENSOR = 3.7e-4
 """Per checkpoint tensor an engine GPU loads: the loader's Python dispatch. Fitted on NeMo-RL
 v0.3's Qwen3-30B-A3B refit phase (12 s: 18,867 tensors, 128 experts x 3 per layer)."""
 
@@ -92,6 +93,14 @@ HOST_EFFICIENCY = 0.5
 """Achieved fraction of the host link for the trainer's offload/onload and the reference-weight
 swap: pinned copies reach ~80% of PCIe, but the copies go tensor by tensor and the host side
 allocates and pins as it goes. Not fitted: half the link is the stated assumption."""
+
+REALLOCATING_OFFLOAD_BYTES_PER_S = 1.1e9
+"""Rate per GPU of an offload that copies into fresh pageable memory and then into pinned memory
+on every call (`.cpu().pin_memory()`: verl's `offload_megatron_model_to_cpu`), with every GPU of
+the node doing it at once. Megatron's own `offload_to_cpu` pays this once and then copies into the
+pinned buffer it keeps. Fitted on verl's Qwen3-30B-A3B `old_log_prob` (7.5 s beyond the forward
+pass that its `ref` timer also holds, for 8.5 GB per GPU); the same row's `update_actor` pays it
+again and is the check."""
 
 DISK_BYTES_PER_S = 2e9
 """Shared-filesystem bandwidth per writer and reader for the `disk` transport (assumption)."""
@@ -305,6 +314,9 @@ class TrainerSpec:
     """Parameter bytes per GPU (the reference-weight swap moves them)."""
     cpu_optimizer_bytes: float = 0.0
     """Bytes per GPU crossing the host link per optimizer step with `train.optimizer.cpu_offload`."""
+    offload_reallocates: bool = False
+    """Each offload copies into fresh host memory (`REALLOCATING_OFFLOAD_BYTES_PER_S`) instead of
+    a kept pinned buffer (slimrl's `TrainerState.offload`)."""
     dtype_bytes: int = 2
 
 
@@ -588,6 +600,22 @@ def weight_sync(spec: StepSpec) -> tuple[float, str]:
         bandwidth, _ = _link(gpu, world)
         move = served / e.gpus / bandwidth if world > 1 else 0.0
         how = "each trainer rank gathers its colocated engine rank's shard and hands it over by CUDA IPC"
+    elif spec.transport == "gather":
+        # Megatron orders ranks tp-cp-ep-dp-pp: a PP group spans the world (one rank per stage,
+        # `world / pp` apart), an EP group is `ep x etp` consecutive ranks of the expert layout.
+        lay = t.layout
+        move = 0.0
+        if lay.pp > 1:
+            bandwidth, _ = _link(gpu, world)
+            move += served * (lay.pp - 1) / lay.pp / bandwidth
+        if lay.ep > 1:
+            bandwidth, _ = _link(gpu, lay.ep * lay.etp)
+            move += served * m.expert_params / m.total_params * (lay.ep - 1) / lay.ep / bandwidth
+        how = (
+            "every trainer GPU gathers the whole model (TP all-gather, a broadcast from the owning PP "
+            "stage, EP all-gather) and its colocated engine rank loads its shard by CUDA IPC "
+            "(NeMo-RL v0.3's `gather_params`)"
+        )
     elif spec.transport == "export":
         span = t.layout.ep * t.layout.pp
         bandwidth, _ = _link(gpu, span)
@@ -622,7 +650,8 @@ def predict(spec: StepSpec) -> StepTime:
     phases["weight_sync"] = sync
     moves = spec.colocate and spec.offload and spec.trainer.offload_bytes > 0
     host = spec.gpu.host_bytes_per_s * HOST_EFFICIENCY
-    phases["offload"] = spec.trainer.offload_bytes / host if moves else 0.0
+    out = REALLOCATING_OFFLOAD_BYTES_PER_S if spec.trainer.offload_reallocates else host
+    phases["offload"] = spec.trainer.offload_bytes / out if moves else 0.0
     phases["onload"] = spec.trainer.offload_bytes / host if moves else 0.0
     hidden = 0.0
     if spec.async_staleness and not spec.colocate:

@@ -4,7 +4,9 @@
 A tier's wall time follows the machine (this one's speed moved 40% between two quiet days), so it
 is recorded beside `calibrate()`: the best of three runs of a fixed single-thread workload of the
 suite's kind (interpreter work and a small torch matmul loop, ~0.3 s), timed when the session
-starts. `conftest.py` appends one row per whole-tier run that passed to `runs/bench/suite.jsonl`;
+starts and again when it ends, the faster of the two kept (session 26: one start-only sample taken
+while a previous run's servers were shutting down read 20% slow, and the tier 20% fast).
+`conftest.py` appends one row per whole-tier run that passed to `runs/bench/suite.jsonl`;
 `bench/run_all.py` turns each tier's latest row into the ratio calibration / tier time (higher is
 faster) and compares it with `bench/baseline.json` like the benchmarks' ratios.
 

@@ -5,7 +5,7 @@ and its CPU twin against a real run of the tiny GRPO demo.
 
 1. The published rows (`slimrl/planning/step_time_anchors.py`): row, phase, published, predicted,
    ratio and status (calibration, checked, open, unchecked).
-2. `--fit`: solve the six fitted constants again from the calibration phases and print them beside
+2. `--fit`: solve the seven fitted constants again from the calibration phases and print them beside
    the ones in `slimrl/planning/step_time.py` (needs scipy).
 3. The CPU twin: this machine's single-thread fp32 matmul FLOP/s and warm memory-copy bandwidth
    (one thread: `make demo` runs every process with OMP_NUM_THREADS=1) stand for a GPU's peaks in
@@ -44,6 +44,7 @@ FITTED = (
     "MOE_LAYER_OVERHEAD_S",
     "WEIGHT_LOAD_BYTES_PER_S",
     "WEIGHT_LOAD_S_PER_TENSOR",
+    "REALLOCATING_OFFLOAD_BYTES_PER_S",
 )
 TINY = "configs/tiny_moe_grpo_cpu.yaml"
 TWIN_METRICS = {

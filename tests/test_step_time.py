@@ -271,6 +271,21 @@ def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], names: str) -> 
     assert out.stdout == ""
 
 
+def test_the_docs_count_the_published_phases_the_bench_checks() -> None:
+    """README and docs/step_time.md state how many published phases there are and how they fare."""
+    counts: dict[str, int] = {}
+    for row in ROWS:
+        counts[row[4]] = counts.get(row[4], 0) + 1
+    readme = (REPO / "README.md").read_text()
+    assert f"its ratios against {len(ROWS)} published phases" in readme
+    summary = (
+        f"{len(ROWS)} published phases: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        + f"; all {counts['checked']} checked within 25%."
+    )
+    assert summary in (REPO / "docs" / "step_time.md").read_text()
+
+
 def test_the_readme_s_prediction_is_what_the_cli_prints() -> None:
     """The README shows `slimrl plan configs/grpo_moe_256gpu.yaml --time ...`: its block is the
     command's output as the code prints it today (a change to the model changes the README)."""

@@ -338,6 +338,8 @@ class StepSpec:
     """The engine scores every finished response again with the trainer's own model (true
     on-policy on the embedded engine: docs/true_on_policy.md)."""
     transport: str = "tensor"
+    """slimrl's `rollout.weight_sync` (`tensor`, `distributed`, `disk`), or a published run's
+    (`gather`: NeMo-RL v0.3; `export`: NeMo-RL v0.5 on, Megatron-Bridge)."""
     offload: bool = True
     """Colocated on GPUs: the trainer's state leaves the device while the engines generate."""
     notes: tuple[str, ...] = ()
@@ -596,10 +598,6 @@ def weight_sync(spec: StepSpec) -> tuple[float, str]:
         bandwidth, _ = _link(gpu, world)
         move = served / bandwidth if world > 1 else 0.0
         how = f"every bucket broadcast to all {world} trainer ranks, mapped by the engine rank on each GPU"
-    elif spec.transport == "ipc":
-        bandwidth, _ = _link(gpu, world)
-        move = served / e.gpus / bandwidth if world > 1 else 0.0
-        how = "each trainer rank gathers its colocated engine rank's shard and hands it over by CUDA IPC"
     elif spec.transport == "gather":
         # Megatron orders ranks tp-cp-ep-dp-pp: a PP group spans the world (one rank per stage,
         # `world / pp` apart), an EP group is `ep x etp` consecutive ranks of the expert layout.

@@ -401,8 +401,7 @@ V05_MOE: tuple[Anchor, ...] = (
 """NeMo-RL v0.5's on-policy MoE rows: the same recipes, run by the earlier release."""
 
 
-ANCHORS: tuple[Anchor, ...] = (
-    # ------------------------------------------------------------------ NeMo-RL v0.3 blog, H100
+V03_BLOG: tuple[Anchor, ...] = (
     Anchor(
         key="nemo-v0.3 llama3.1-8b 8xH100",
         source=NEMO_V03,
@@ -504,42 +503,39 @@ ANCHORS: tuple[Anchor, ...] = (
         },
         assumed=("layout TP4 PP4 CP4 (the blog names only CP4) and vLLM TP4, as the 4k 70B row",),
     ),
+)
+"""The NeMo-RL v0.3 blog's per-phase rows (H100)."""
+
+
+def _rerun(blog_key: str, *, response_tokens: float, published: dict[str, float]) -> Anchor:
+    """A row of NeMo-RL #959: the blog row's config run again on another cluster (its recipe, so
+    the blog's layout), with the rerun's own numbers; its refit is not checked (`RERUN_REFIT`)."""
+    base = next(a for a in V03_BLOG if a.key == blog_key)
+    return replace(
+        base,
+        key=blog_key.replace("nemo-v0.3", "nemo-v0.3 rerun"),
+        source=NEMO_RERUN,
+        response_tokens=response_tokens,
+        published=published,
+        calibration=(),
+        unchecked={"refit": RERUN_REFIT},
+        assumed=("the blog's layout (the rerun used its recipe)",),
+    )
+
+
+ANCHORS: tuple[Anchor, ...] = (
+    # ------------------------------------------------------------------ NeMo-RL v0.3 blog, H100
+    *V03_BLOG,
     # ------------------------------------- the v0.3 blog's configs rerun by a user (NeMo-RL #959)
-    Anchor(
-        key="nemo-v0.3 rerun llama3.1-8b 8xH100",
-        source=NEMO_RERUN,
-        framework="nemo-rl",
-        model="llama3_1_8b",
-        gpu="H100",
-        gpus=8,
-        engine_gpus=1,
-        prompt_tokens=LLAMA_PROMPT,
+    _rerun(
+        "nemo-v0.3 llama3.1-8b 8xH100",
         response_tokens=811,
-        max_sequence=4096,
-        micro_tokens=4096,
-        logprob_tokens=4 * 4096,
         published={"step": 116, "training": 27, "refit": 8, "generation": 56, "logprobs": 18},
-        unchecked={"refit": RERUN_REFIT},
-        assumed=("the blog's layout (the rerun used its recipe)",),
     ),
-    Anchor(
-        key="nemo-v0.3 rerun llama3.1-70b 64xH100",
-        source=NEMO_RERUN,
-        framework="nemo-rl",
-        model="llama3_1_70b",
-        gpu="H100",
-        gpus=64,
-        tp=4,
-        pp=4,
-        engine_gpus=4,
-        prompt_tokens=LLAMA_PROMPT,
+    _rerun(
+        "nemo-v0.3 llama3.1-70b 64xH100",
         response_tokens=396,
-        max_sequence=4096,
-        micro_tokens=4096,
-        logprob_tokens=4 * 4096,
         published={"step": 178, "training": 31, "refit": 26, "generation": 87, "logprobs": 20},
-        unchecked={"refit": RERUN_REFIT},
-        assumed=("the blog's layout (the rerun used its recipe)",),
     ),
     # ------------------------------------------------------------- NeMo-RL v0.6 / v0.5, on-policy
     *V06_ON_POLICY,

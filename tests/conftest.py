@@ -122,7 +122,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     suite_clock.append(suite_clock.SUITE_TIMES, entry)
     terminalreporter.write_line(
         f"suite time: tier {tier}, {entry['seconds']:.0f} s = {entry['units']:.0f} calibrations of "
-        f"{calibration_s:.3f} s ({suite_clock.SUITE_TIMES.relative_to(REPO)}; `make bench` gates it)"
+        f"{calibration_s:.3f} s ({suite_clock.SUITE_TIMES.relative_to(REPO)}; "
+        "`make bench` compares it with bench/baseline.json)"
     )
 
 
